@@ -1,0 +1,123 @@
+"""Settings of the demo shop.
+
+The database comes from the environment: ``DISTLOCKS_DB`` is ``sqlite`` (the
+default, no server needed), ``mariadb`` or ``postgresql``; ``DISTLOCKS_DB_NAME``
+overrides the database name. Server hosts, users and passwords come from the
+usual ``MYSQL_*`` / ``PG*`` variables.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from django.core.management.utils import get_random_secret_key
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+
+def _secret_key() -> str:
+    # Never committed: from the environment, or made once per checkout.
+    if key := os.environ.get("DJANGO_SECRET_KEY"):
+        return key
+    path = BASE_DIR / ".secret_key"
+    if not path.exists():
+        path.write_text(get_random_secret_key())
+    return path.read_text().strip()
+
+
+def database(vendor: str, name: str | None = None) -> dict[str, Any]:
+    """Return the DATABASES entry of the demo on ``vendor``."""
+    if vendor == "sqlite":
+        return {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": name or BASE_DIR / "demo.sqlite3",
+            # WAL lets readers run beside the writer; IMMEDIATE makes atomic()
+            # take the write lock at BEGIN, SQLite's stand-in for FOR UPDATE.
+            "OPTIONS": {
+                "timeout": 60,
+                "transaction_mode": "IMMEDIATE",
+                "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL",
+            },
+        }
+    if vendor == "mariadb":
+        return {
+            "ENGINE": "django.db.backends.mysql",
+            "NAME": name or "distlocks_demo",
+            "HOST": os.environ.get("MYSQL_HOST", "127.0.0.1"),
+            "PORT": os.environ.get("MYSQL_PORT", "3306"),
+            "USER": os.environ.get("MYSQL_USER", "root"),
+            "PASSWORD": os.environ.get("MYSQL_PASSWORD", ""),
+            "OPTIONS": {"charset": "utf8mb4"},
+        }
+    if vendor == "postgresql":
+        return {
+            "ENGINE": "django.db.backends.postgresql",
+            "NAME": name or "distlocks_demo",
+            "HOST": os.environ.get("PGHOST", "127.0.0.1"),
+            "PORT": os.environ.get("PGPORT", "5432"),
+            "USER": os.environ.get("PGUSER", "postgres"),
+            "PASSWORD": os.environ.get("PGPASSWORD", ""),
+        }
+    raise ValueError(f"DISTLOCKS_DB must be sqlite, mariadb or postgresql, not {vendor!r}")
+
+
+SECRET_KEY = _secret_key()
+DEBUG = os.environ.get("DJANGO_DEBUG", "") == "1"
+ALLOWED_HOSTS = ["127.0.0.1", "localhost", "[::1]"]
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "distlocks",
+    "demo_shop.shop",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+
+ROOT_URLCONF = "demo_shop.urls"
+WSGI_APPLICATION = "demo_shop.wsgi.application"
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+
+DATABASES = {"default": database(os.environ.get("DISTLOCKS_DB", "sqlite"), os.environ.get("DISTLOCKS_DB_NAME"))}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+DISTLOCKS = {"default": {"BACKEND": "distlocks.backends.db.DatabaseBackend", "TTL": 30}}
+
+# How long a buy "works" between reading the stock and writing it back: the
+# window in which unsafe strategies race (the business logic of seed 002).
+DEMO_WORK_SECONDS = float(os.environ.get("DEMO_WORK_MS", "5")) / 1000
+
+USE_TZ = True
+TIME_ZONE = "UTC"
+STATIC_URL = "static/"
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "loggers": {"distlocks": {"handlers": ["console"], "level": os.environ.get("DISTLOCKS_LOG_LEVEL", "WARNING")}},
+}

@@ -1,0 +1,178 @@
+"""Reproduce the stock-decrement race against a real multi-process server."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import connection
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from distlocks.handler import locks
+from distlocks.models import Lock
+
+from ...models import Order, Stock
+from ...strategies import PLAIN
+
+PRODUCT = "P-1001"
+
+
+def default_strategies() -> list[str]:
+    """Every strategy the configuration allows; the pitfall where it can show."""
+    names = [*PLAIN, *(f"lock:{alias}" for alias in locks)]
+    if connection.vendor != "sqlite":  # SQLite serializes transactions itself
+        names.append(f"pitfall:{next(iter(locks))}")
+    return names
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Cluster:
+    """The demo under gunicorn with several worker processes, on a loopback port."""
+
+    def __init__(self, workers: int) -> None:
+        self.port = free_port()
+        env = {**os.environ, "DJANGO_SETTINGS_MODULE": os.environ.get("DJANGO_SETTINGS_MODULE", "demo_shop.settings")}
+        # Serve the database this process uses (a test database, say).
+        env["DISTLOCKS_DB_NAME"] = str(connection.settings_dict["NAME"])
+        command = [sys.executable, "-m", "gunicorn", "demo_shop.wsgi:application"]
+        command += ["--workers", str(workers), "--bind", f"127.0.0.1:{self.port}", "--log-level", "warning"]
+        self.process = subprocess.Popen(command, env=env, cwd=settings.BASE_DIR)
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 60
+        while True:
+            if self.process.poll() is not None:
+                raise CommandError(f"gunicorn exited with status {self.process.returncode}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health/", timeout=5):
+                    return
+            except OSError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise CommandError("gunicorn did not answer within 60s") from None
+                time.sleep(0.1)
+
+    def buy(self, strategy: str, product_id: str) -> int:
+        request = urllib.request.Request(f"{self.url}/buy/{strategy}/{product_id}/", method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                return int(response.status)
+        except urllib.error.HTTPError as exc:
+            return int(exc.code)
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+class Command(BaseCommand):
+    help = "Fire concurrent buyers at a multi-process server, once per strategy, and count oversold units."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--strategies", help="Comma-separated, e.g. none,lock:default (default: all).")
+        parser.add_argument("--stock", type=int, default=50, help="Initial stock (default 50).")
+        parser.add_argument("--buyers", type=int, default=100, help="Buy requests per strategy (default 100).")
+        parser.add_argument("--concurrency", type=int, default=16, help="Requests in flight (default 16).")
+        parser.add_argument("--workers", type=int, default=4, help="gunicorn worker processes (default 4).")
+        parser.add_argument("--json", dest="json_path", help="Also write the results as JSON to this path.")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        for option in ("stock", "buyers", "concurrency", "workers"):
+            if options[option] < 1:
+                raise CommandError(f"--{option} must be at least 1")
+        strategies = self._strategies(options["strategies"])
+        console = Console(file=self.stdout, force_terminal=False, width=120)
+        cluster = Cluster(options["workers"])
+        results = []
+        try:
+            with Progress(
+                TextColumn("{task.description:<22}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                console=Console(stderr=True),
+                transient=False,
+            ) as progress:
+                for strategy in strategies:
+                    task = progress.add_task(strategy, total=options["buyers"])
+                    results.append(self._run(cluster, strategy, options, lambda: progress.advance(task)))
+        finally:
+            cluster.stop()
+        console.print(self._table(results))
+        if options["json_path"]:
+            Path(options["json_path"]).write_text(json.dumps(results, indent=2) + "\n")
+
+    def _strategies(self, spec: str | None) -> list[str]:
+        if not spec:
+            return default_strategies()
+        names = [name.strip() for name in spec.split(",") if name.strip()]
+        valid = {*PLAIN, *(f"{kind}:{alias}" for kind in ("lock", "pitfall") for alias in locks)}
+        unknown = [name for name in names if name not in valid]
+        if unknown or not names:
+            raise CommandError(
+                f"unknown strategy {', '.join(unknown) or spec!r}; choose from: {', '.join(sorted(valid))}"
+            )
+        return names
+
+    def _run(self, cluster: Cluster, strategy: str, options: dict[str, Any], advance: Any) -> dict[str, Any]:
+        initial = options["stock"]
+        Stock.objects.update_or_create(product_id=PRODUCT, warehouse=1, defaults={"count": initial, "version": 0})
+        Order.objects.filter(product_id=PRODUCT).delete()
+        Lock.objects.all().delete()
+
+        def one(_: int) -> int:
+            status = cluster.buy(strategy, PRODUCT)
+            advance()
+            return status
+
+        started = time.monotonic()
+        with ThreadPoolExecutor(options["concurrency"]) as pool:
+            statuses = list(pool.map(one, range(options["buyers"])))
+        elapsed = time.monotonic() - started
+        orders = Order.objects.filter(product_id=PRODUCT).count()
+        final = Stock.objects.get(product_id=PRODUCT, warehouse=1).count
+        return {
+            "strategy": strategy,
+            "database": connection.vendor,
+            "initial_stock": initial,
+            "requests": options["buyers"],
+            "orders": orders,
+            "final_stock": final,
+            "oversold": max(0, orders - initial),
+            "lost_updates": orders - (initial - final),
+            "errors": sum(1 for status in statuses if status not in (200, 409)),
+            "requests_per_second": round(options["buyers"] / elapsed, 1),
+        }
+
+    def _table(self, results: list[dict[str, Any]]) -> Table:
+        vendor = connection.vendor
+        table = Table(title=f"Oversell race on {vendor} ({connection.settings_dict['NAME']})")
+        columns = ["strategy", "initial_stock", "orders", "final_stock", "oversold", "lost_updates", "errors"]
+        for column in [*columns, "requests_per_second"]:
+            table.add_column(column.replace("_", " "), justify="left" if column == "strategy" else "right")
+        for row in results:
+            bad = row["oversold"] or row["lost_updates"] or row["final_stock"] < 0
+            style = "red" if bad else "green"
+            table.add_row(*(str(row[column]) for column in columns), f"{row['requests_per_second']:.0f}", style=style)
+        return table

@@ -1,0 +1,116 @@
+"""The ways to sell one unit of stock, safe and unsafe (seed 002 §2-3).
+
+Each strategy returns True when it sold a unit and False when the stock ran out.
+Between reading the stock and writing it back each one "works" for
+``DEMO_WORK_SECONDS``, the window in which unsafe strategies race.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import F
+
+import distlocks
+
+from .models import Order, Stock
+
+Strategy = Callable[[str], bool]
+
+_local_lock = threading.Lock()
+
+
+def _work() -> None:
+    time.sleep(settings.DEMO_WORK_SECONDS)
+
+
+def _read_check_write(product_id: str, strategy: str) -> bool:
+    """Read the stock, check it, write it back: correct only when serialized."""
+    stock = Stock.objects.get(product_id=product_id, warehouse=1)
+    if stock.count < 1:
+        return False
+    _work()
+    stock.count -= 1
+    stock.save(update_fields=["count"])
+    Order.objects.create(product_id=product_id, strategy=strategy)
+    return True
+
+
+def none(product_id: str) -> bool:
+    """No lock at all."""
+    return _read_check_write(product_id, "none")
+
+
+def local(product_id: str) -> bool:
+    """A threading.Lock: serializes the threads of one process, not the processes."""
+    with _local_lock:
+        return _read_check_write(product_id, "local")
+
+
+def atomic_sql(product_id: str) -> bool:
+    """One conditional UPDATE: the database checks and decrements at once."""
+    with transaction.atomic():
+        sold = Stock.objects.filter(product_id=product_id, warehouse=1, count__gte=1).update(count=F("count") - 1)
+        if sold:
+            _work()
+            Order.objects.create(product_id=product_id, strategy="atomic_sql")
+        return bool(sold)
+
+
+def select_for_update(product_id: str) -> bool:
+    """A row lock held until the transaction ends (on SQLite: BEGIN IMMEDIATE)."""
+    with transaction.atomic():
+        stock = Stock.objects.select_for_update().get(product_id=product_id, warehouse=1)
+        if stock.count < 1:
+            return False
+        _work()
+        stock.count -= 1
+        stock.save(update_fields=["count"])
+        Order.objects.create(product_id=product_id, strategy="select_for_update")
+        return True
+
+
+def optimistic(product_id: str) -> bool:
+    """Compare-and-set on a version column; retry when another buyer got there first."""
+    while True:
+        stock = Stock.objects.get(product_id=product_id, warehouse=1)
+        if stock.count < 1:
+            return False
+        _work()
+        with transaction.atomic():
+            updated = Stock.objects.filter(pk=stock.pk, version=stock.version).update(
+                count=stock.count - 1, version=stock.version + 1
+            )
+            if updated:
+                Order.objects.create(product_id=product_id, strategy="optimistic")
+                return True
+
+
+def pitfall(product_id: str, alias: str) -> bool:
+    """A distributed lock taken inside the transaction: released before it commits.
+
+    The next buyer gets the lock while this one's write is still uncommitted,
+    reads the old count and overwrites it (seed 002 §2.3.2).
+    """
+    with transaction.atomic():
+        with distlocks.lock(f"stock:{product_id}", using=alias, wait=60):
+            return _read_check_write(product_id, f"pitfall:{alias}")
+
+
+def locked(product_id: str, alias: str) -> bool:
+    """The body of the ``lock:<alias>`` view, which ``distributed_lock`` wraps."""
+    with transaction.atomic():
+        return _read_check_write(product_id, f"lock:{alias}")
+
+
+PLAIN: dict[str, Strategy] = {
+    "none": none,
+    "local": local,
+    "atomic_sql": atomic_sql,
+    "select_for_update": select_for_update,
+    "optimistic": optimistic,
+}

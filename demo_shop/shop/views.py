@@ -1,0 +1,48 @@
+"""Buy one unit of stock over HTTP, with the strategy named in the URL."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cache
+
+from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
+from django.views.decorators.csrf import csrf_exempt
+from django.views.decorators.http import require_POST
+
+from distlocks.decorators import distributed_lock
+from distlocks.handler import locks
+
+from . import strategies
+
+
+def _answer(sold: bool) -> JsonResponse:
+    return JsonResponse({"sold": sold}, status=200 if sold else 409)
+
+
+def _locked_buy(request: HttpRequest, product_id: str, alias: str) -> HttpResponse:
+    return _answer(strategies.locked(product_id, alias))
+
+
+@cache
+def _locked_view(alias: str) -> Callable[..., HttpResponse]:
+    return distributed_lock("stock:{product_id}", using=alias, wait=60)(_locked_buy)
+
+
+@csrf_exempt
+@require_POST
+def buy(request: HttpRequest, strategy: str, product_id: str) -> HttpResponse:
+    """Sell one unit: 200 if sold, 409 if out of stock, 423 if the lock was busy."""
+    if strategy in strategies.PLAIN:
+        return _answer(strategies.PLAIN[strategy](product_id))
+    kind, _, alias = strategy.partition(":")
+    if alias not in locks:
+        raise Http404(f"unknown strategy {strategy!r}")
+    if kind == "lock":
+        return _locked_view(alias)(request, product_id=product_id, alias=alias)
+    if kind == "pitfall":
+        return _answer(strategies.pitfall(product_id, alias))
+    raise Http404(f"unknown strategy {strategy!r}")
+
+
+def health(request: HttpRequest) -> HttpResponse:
+    return HttpResponse("ok\n", content_type="text/plain")

@@ -1,0 +1,14 @@
+"""URLs of the demo shop."""
+
+from __future__ import annotations
+
+from django.contrib import admin
+from django.urls import path
+
+from demo_shop.shop import views
+
+urlpatterns = [
+    path("admin/", admin.site.urls),
+    path("buy/<str:strategy>/<str:product_id>/", views.buy, name="buy"),
+    path("health/", views.health, name="health"),
+]

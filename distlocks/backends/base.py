@@ -1,0 +1,118 @@
+"""Base lock backend class."""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from django.core.checks import CheckMessage
+from django.core.exceptions import ImproperlyConfigured
+
+from distlocks.owner import Owner
+
+DEFAULT_TTL = 30.0
+
+
+@dataclass(frozen=True)
+class LockInfo:
+    """A lock held right now, as the admin and ``distlocks_list`` show it."""
+
+    alias: str
+    name: str
+    owner: str
+    hold_count: int
+    token: int | None
+    acquired_at: datetime | None = None
+    expires_at: datetime | None = None
+    waiters: int | None = None
+
+
+def check_positive_number(value: Any, what: str) -> float:
+    """Return ``value`` as a float, or raise ValueError naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{what} must be a number of seconds, not {type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{what} must be a finite number of seconds greater than 0, not {value!r}")
+    return float(value)
+
+
+class BaseLockBackend:
+    """Primitives a lock server offers; ``DistributedLock`` builds the lock on them.
+
+    Every method takes the backend-level ``key`` (the name with ``KEY_PREFIX``) and
+    is one attempt: looping, deadlines and reentrancy bookkeeping live in the core.
+    """
+
+    #: The longest key this backend stores, or None for no limit.
+    max_key_length: int | None = None
+
+    def __init__(self, alias: str, params: dict[str, Any]) -> None:
+        self.alias = alias
+        self.location: str = params.get("LOCATION", "")
+        options = params.get("OPTIONS") or {}
+        if not isinstance(options, dict):
+            raise ImproperlyConfigured(f"DISTLOCKS[{alias!r}]['OPTIONS'] must be a dict")
+        self.options: dict[str, Any] = dict(options)
+        try:
+            self.default_ttl = check_positive_number(params.get("TTL", DEFAULT_TTL), "TTL")
+        except ValueError as exc:
+            raise ImproperlyConfigured(f"DISTLOCKS[{alias!r}]: {exc}") from exc
+        self.key_prefix: str = str(params.get("KEY_PREFIX") or "")
+
+    def make_key(self, name: str) -> str:
+        """Return the backend-level key of a lock name, or raise ValueError if too long."""
+        key = f"{self.key_prefix}:{name}" if self.key_prefix else name
+        if self.max_key_length is not None and len(key) > self.max_key_length:
+            room = self.max_key_length - (len(key) - len(name))
+            raise ValueError(
+                f"name is {len(name)} characters long; the {self.alias!r} backend "
+                f"takes at most {room}"
+            )
+        return key
+
+    def try_acquire(self, key: str, owner: Owner, ttl: float) -> int | None:
+        """Take a free (or expired) lock once; return its new fencing token, or None."""
+        raise NotImplementedError("subclasses of BaseLockBackend must provide a try_acquire() method")
+
+    def reenter(self, key: str, owner: Owner, ttl: float) -> bool:
+        """Count one more hold by ``owner`` and renew the lease; False if it no longer holds it."""
+        raise NotImplementedError("subclasses of BaseLockBackend must provide a reenter() method")
+
+    def release(self, key: str, owner: Owner) -> bool:
+        """Drop one hold, freeing the lock at zero; False if ``owner`` has no live lease."""
+        raise NotImplementedError("subclasses of BaseLockBackend must provide a release() method")
+
+    def extend(self, key: str, owner: Owner, ttl: float) -> bool:
+        """Renew the lease for ``ttl`` seconds; False if ``owner`` has no live lease."""
+        raise NotImplementedError("subclasses of BaseLockBackend must provide an extend() method")
+
+    def wait(self, key: str, attempt: int, remaining: float | None) -> None:
+        """Block until the lock may be free, at most ``remaining`` seconds.
+
+        The default sleeps with capped exponential backoff and jitter, so that
+        waiters in many processes do not retry in lockstep. Backends whose server
+        can notify a release override it.
+        """
+        delay = min(0.002 * 2 ** min(attempt, 5), 0.05) * random.uniform(0.5, 1.0)
+        time.sleep(delay if remaining is None else min(delay, remaining))
+
+    def held(self) -> Iterator[LockInfo]:
+        """Yield the locks held right now (for the admin and the commands)."""
+        raise NotImplementedError("subclasses of BaseLockBackend may provide a held() method")
+
+    def force_release(self, key: str) -> bool:
+        """Free a lock whoever holds it; return False if it was not held."""
+        raise NotImplementedError("subclasses of BaseLockBackend may provide a force_release() method")
+
+    def clear_expired(self, dry_run: bool = False) -> int:
+        """Delete the state of expired locks; return how many (or would be, with ``dry_run``)."""
+        raise NotImplementedError("subclasses of BaseLockBackend may provide a clear_expired() method")
+
+    def check(self) -> list[CheckMessage]:
+        """Return system check messages about this backend's configuration."""
+        return []

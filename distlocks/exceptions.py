@@ -1,0 +1,28 @@
+"""The distlocks exception hierarchy."""
+
+from __future__ import annotations
+
+
+class LockError(Exception):
+    """Base class of every lock failure; carries the lock's name and alias."""
+
+    def __init__(self, message: str, *, name: str | None = None, alias: str | None = None) -> None:
+        super().__init__(message)
+        self.name = name
+        self.alias = alias
+
+
+class LockNotAcquired(LockError):
+    """The lock was not acquired within `wait` seconds."""
+
+
+class LockNotOwned(LockError):
+    """A release or renewal by a caller that does not hold the lock."""
+
+
+class LockLost(LockError):
+    """The lease expired, was taken over or was force-released while held."""
+
+
+class BackendUnavailable(LockError):
+    """The lock server cannot be reached; the driver's error is chained."""

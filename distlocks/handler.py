@@ -1,0 +1,73 @@
+"""The ``locks`` registry of configured backends, in the style of ``django.core.cache.caches``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from asgiref.local import Local
+from django.conf import settings as django_settings
+from django.core.exceptions import ImproperlyConfigured
+from django.utils.connection import BaseConnectionHandler
+from django.utils.module_loading import import_string
+
+if TYPE_CHECKING:
+    from distlocks.backends.base import BaseLockBackend
+
+DEFAULT_ALIAS = "default"
+DEFAULT_SETTINGS = {DEFAULT_ALIAS: {"BACKEND": "distlocks.backends.db.DatabaseBackend"}}
+BUILTIN_BACKENDS = (
+    "distlocks.backends.db.DatabaseBackend",
+    "distlocks.backends.redis.RedisBackend",
+    "distlocks.backends.redlock.RedlockBackend",
+    "distlocks.backends.zookeeper.ZooKeeperBackend",
+)
+
+
+class LockHandler(BaseConnectionHandler):  # type: ignore[type-arg]
+    """Create one backend instance per alias and thread, lazily."""
+
+    settings_name = "DISTLOCKS"
+    exception_class = ImproperlyConfigured
+
+    def configure_settings(self, settings: dict[str, Any] | None) -> dict[str, Any]:
+        if settings is None:
+            settings = getattr(django_settings, self.settings_name, None)
+        if settings is None:
+            return {alias: dict(params) for alias, params in DEFAULT_SETTINGS.items()}
+        if not isinstance(settings, dict):
+            raise ImproperlyConfigured("DISTLOCKS must be a dict of aliases, like CACHES")
+        return settings
+
+    def __getitem__(self, alias: str) -> BaseLockBackend:
+        if alias not in self.settings:
+            known = ", ".join(repr(a) for a in self.settings) or "none"
+            raise ImproperlyConfigured(f"DISTLOCKS has no alias {alias!r} (configured: {known})")
+        backend: BaseLockBackend = super().__getitem__(alias)
+        return backend
+
+    def create_connection(self, alias: str) -> BaseLockBackend:
+        params = self.settings[alias]
+        if not isinstance(params, dict):
+            raise ImproperlyConfigured(f"DISTLOCKS[{alias!r}] must be a dict, not {type(params).__name__}")
+        params = dict(params)
+        path = params.pop("BACKEND", None)
+        if not path:
+            raise ImproperlyConfigured(f"DISTLOCKS[{alias!r}] has no 'BACKEND'")
+        try:
+            backend_class = import_string(path)
+        except ImportError as exc:
+            raise ImproperlyConfigured(
+                f"DISTLOCKS[{alias!r}]: cannot import BACKEND {path!r} ({exc}). "
+                f"Built-in backends: {', '.join(BUILTIN_BACKENDS)}"
+            ) from exc
+        backend: BaseLockBackend = backend_class(alias, params)
+        return backend
+
+    def reset(self) -> None:
+        """Forget the settings and every backend instance (on ``setting_changed``)."""
+        self.__dict__.pop("settings", None)
+        self._settings = None
+        self._connections = Local(self.thread_critical)
+
+
+locks = LockHandler()

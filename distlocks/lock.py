@@ -1,0 +1,249 @@
+"""DistributedLock: the lock API on top of any backend."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, ParamSpec, TypeVar
+
+from distlocks.backends.base import BaseLockBackend, check_positive_number
+from distlocks.exceptions import LockLost, LockNotAcquired, LockNotOwned
+from distlocks.handler import DEFAULT_ALIAS, locks
+from distlocks.owner import Owner, current_owner
+from distlocks.signals import lock_acquired, lock_released
+from distlocks.watchdog import watchdog
+
+logger = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class _Default:
+    def __repr__(self) -> str:
+        return "<the lock's wait>"
+
+
+_DEFAULT: Any = _Default()
+
+
+@dataclass(eq=False)
+class Hold:
+    """One thread's hold on one lock: shared by every lock object for that name."""
+
+    lock_class: type
+    alias: str
+    name: str
+    key: str
+    owner: Owner
+    token: int
+    ttl: float
+    thread: threading.Thread = field(default_factory=threading.current_thread)
+    count: int = 1
+    lost: bool = False
+    lease_ends: float = field(default=0.0)
+
+
+_local = threading.local()
+
+
+def _holds() -> dict[tuple[str, str], Hold]:
+    """Return the calling thread's holds, keyed by (alias, key)."""
+    holds: dict[tuple[str, str], Hold] | None = getattr(_local, "holds", None)
+    if holds is None or getattr(_local, "pid", None) != os.getpid():
+        holds = _local.holds = {}
+        _local.pid = os.getpid()
+    return holds
+
+
+def check_wait(wait: Any) -> float | None:
+    """Return ``wait`` as seconds (None: forever), or raise ValueError."""
+    if wait is None:
+        return None
+    if isinstance(wait, bool) or not isinstance(wait, int | float):
+        raise ValueError(f"wait must be a number of seconds or None, not {type(wait).__name__}")
+    if math.isnan(wait) or wait < 0:
+        raise ValueError(f"wait must be 0 or more seconds (None waits forever), not {wait!r}")
+    return None if math.isinf(wait) else float(wait)
+
+
+class DistributedLock:
+    """A named lock shared by every process that uses the same backend.
+
+    Ownership, hold count and token belong to the calling thread, not to the
+    object, so one object may be shared by many threads (as a decorator it is).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        using: str = DEFAULT_ALIAS,
+        ttl: float | None = None,
+        wait: float | None = None,
+        renew: bool = True,
+    ) -> None:
+        if not isinstance(name, str):
+            raise ValueError(f"name must be a str, not {type(name).__name__}")
+        if not name:
+            raise ValueError("name must not be empty")
+        if not isinstance(using, str):
+            raise ValueError(f"using must be the str alias of a DISTLOCKS entry, not {type(using).__name__}")
+        if not isinstance(renew, bool):
+            raise ValueError(f"renew must be True or False, not {renew!r}")
+        backend = locks[using]
+        self.name = name
+        self.alias = using
+        self.key = backend.make_key(name)
+        self.ttl = backend.default_ttl if ttl is None else check_positive_number(ttl, "ttl")
+        self.wait = check_wait(wait)
+        self.renew = renew
+
+    def __repr__(self) -> str:
+        return f"<DistributedLock {self.name!r} using={self.alias!r} ttl={self.ttl} wait={self.wait}>"
+
+    @property
+    def _backend(self) -> BaseLockBackend:
+        return locks[self.alias]  # one instance per thread
+
+    def _hold(self) -> Hold | None:
+        return _holds().get((self.alias, self.key))
+
+    @property
+    def token(self) -> int:
+        """The calling thread's fencing token; raise LockNotOwned if it does not hold the lock."""
+        hold = self._hold()
+        if hold is None:
+            raise LockNotOwned(self._message("is not held by this thread"), name=self.name, alias=self.alias)
+        return hold.token
+
+    @property
+    def hold_count(self) -> int:
+        """How many times the calling thread holds the lock (0: not held)."""
+        hold = self._hold()
+        return hold.count if hold else 0
+
+    @property
+    def lost(self) -> bool:
+        """True if the calling thread held the lock and its lease was lost."""
+        hold = self._hold()
+        return bool(hold and hold.lost)
+
+    def _message(self, what: str) -> str:
+        return f"Lock {self.name!r} on {self.alias!r} {what}"
+
+    def acquire(self, wait: float | None = _DEFAULT) -> bool:
+        """Acquire the lock, waiting at most ``wait`` seconds; return True if acquired.
+
+        ``wait=0`` tries once and ``None`` waits forever; by default the lock's
+        own ``wait`` applies. Re-acquiring a lock the thread holds counts one more
+        hold. Raise LockLost if the thread's hold was lost, BackendUnavailable if
+        the server cannot be reached.
+        """
+        wait = self.wait if wait is _DEFAULT else check_wait(wait)
+        backend = self._backend
+        owner = current_owner()
+        hold = self._hold()
+        if hold is not None:
+            if hold.lost or not backend.reenter(self.key, owner, self.ttl):
+                hold.lost = True
+                raise LockLost(self._message("was lost while held"), name=self.name, alias=self.alias)
+            hold.count += 1
+            hold.lease_ends = time.monotonic() + self.ttl
+            return True
+
+        deadline = None if wait is None else time.monotonic() + wait
+        attempt = 0
+        while True:
+            started = time.monotonic()
+            token = backend.try_acquire(self.key, owner, self.ttl)
+            if token is not None:
+                break
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                logger.debug("Lock %r on %r not acquired within %ss", self.name, self.alias, wait)
+                return False
+            backend.wait(self.key, attempt, remaining)
+            attempt += 1
+
+        hold = Hold(type(self), self.alias, self.name, self.key, owner, token, self.ttl)
+        hold.lease_ends = started + self.ttl
+        _holds()[(self.alias, self.key)] = hold
+        if self.renew:
+            watchdog().watch(hold)
+        logger.debug("Acquired lock %r on %r, token %d", self.name, self.alias, token)
+        lock_acquired.send(sender=type(self), name=self.name, alias=self.alias, token=token)
+        return True
+
+    def release(self) -> None:
+        """Release one hold of the lock.
+
+        Raise LockNotOwned if the calling thread does not hold it, LockLost if
+        its lease expired, was taken over or was force-released meanwhile.
+        """
+        holds = _holds()
+        hold = holds.get((self.alias, self.key))
+        if hold is None:
+            raise LockNotOwned(self._message("is not held by this thread"), name=self.name, alias=self.alias)
+        hold.count -= 1
+        if hold.count == 0:
+            watchdog().unwatch(hold)
+            del holds[(self.alias, self.key)]
+        if not hold.lost:
+            try:
+                hold.lost = not self._backend.release(self.key, hold.owner)
+            except Exception:
+                # Nothing renews the lease any more: it expires on its own.
+                watchdog().unwatch(hold)
+                holds.pop((self.alias, self.key), None)
+                raise
+        if hold.lost:
+            watchdog().unwatch(hold)
+            raise LockLost(self._message("was lost while held"), name=self.name, alias=self.alias)
+        if hold.count == 0:
+            logger.debug("Released lock %r on %r", self.name, self.alias)
+            lock_released.send(sender=type(self), name=self.name, alias=self.alias, token=hold.token)
+
+    def __enter__(self) -> DistributedLock:
+        if not self.acquire():
+            raise LockNotAcquired(
+                self._message(f"not acquired within {self.wait}s"), name=self.name, alias=self.alias
+            )
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+    def __call__(self, func: Callable[P, R]) -> Callable[P, R]:
+        """Use the lock as a decorator: hold it while ``func`` runs."""
+
+        @functools.wraps(func)
+        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+            with self:
+                return func(*args, **kwargs)
+
+        return wrapper
+
+
+def lock(
+    name: str,
+    *,
+    using: str = DEFAULT_ALIAS,
+    ttl: float | None = None,
+    wait: float | None = None,
+    renew: bool = True,
+) -> DistributedLock:
+    """Return a lock on ``name`` from the ``using`` backend (see DistributedLock)."""
+    return DistributedLock(name, using=using, ttl=ttl, wait=wait, renew=renew)

@@ -1,0 +1,34 @@
+"""Delete the state of expired locks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from distlocks.exceptions import LockError
+from distlocks.handler import locks
+
+
+class Command(BaseCommand):
+    help = "Delete expired locks (rows of the database backend), and print how many."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--using", action="append", help="Only this DISTLOCKS alias (repeatable).")
+        parser.add_argument("--dry-run", action="store_true", help="Count what would be deleted, delete nothing.")
+
+    def handle(self, *args: Any, using: list[str] | None, dry_run: bool, **options: Any) -> None:
+        verb = "would delete" if dry_run else "deleted"
+        for alias in using or list(locks):
+            try:
+                backend = locks[alias]
+            except Exception as exc:
+                raise CommandError(str(exc)) from exc
+            try:
+                count = backend.clear_expired(dry_run=dry_run)
+            except NotImplementedError:
+                self.stdout.write(f"{alias}: nothing to clean up (the backend keeps no expired state)")
+                continue
+            except LockError as exc:
+                raise CommandError(f"{alias}: {exc}") from exc
+            self.stdout.write(f"{alias}: {verb} {count} expired lock{'s' if count != 1 else ''}")

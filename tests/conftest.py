@@ -1,0 +1,110 @@
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from django.db import connections
+
+import distlocks
+from distlocks.backends.db import close_connections
+
+ROOT = Path(__file__).resolve().parent.parent
+DB_ALIASES = ["default", "mariadb", "postgresql"]
+# Mark modules that use the database: every test runs on its own committed data.
+DB = pytest.mark.django_db(transaction=True, databases=DB_ALIASES)
+
+
+@pytest.fixture(params=DB_ALIASES)
+def alias(request):
+    """Each alias of the database backend; the module must be marked ``DB`` for the databases."""
+    request.getfixturevalue("transactional_db")
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def _close_lock_connections():
+    # Lock connections live as long as their thread; the test databases can only
+    # be dropped once they are closed.
+    yield
+    close_connections()
+
+
+@pytest.fixture
+def name():
+    """A lock name of this test's own."""
+    return f"test-{uuid.uuid4().hex}"
+
+
+def worker_env():
+    env = dict(os.environ)
+    env["DJANGO_SETTINGS_MODULE"] = "tests.settings"
+    env["DISTLOCKS_TEST_DATABASES"] = json.dumps({a: str(connections[a].settings_dict["NAME"]) for a in DB_ALIASES})
+    env["DISTLOCKS_DB_NAME"] = str(connections["default"].settings_dict["NAME"])
+    return env
+
+
+class Worker:
+    """A ``tests.worker`` process, read line by line."""
+
+    def __init__(self, *arguments):
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tests.worker", *map(str, arguments)],
+            cwd=ROOT,
+            env=worker_env(),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    def line(self):
+        line = self.process.stdout.readline()
+        assert line, f"worker exited with {self.process.wait()} before answering"
+        return line.split()
+
+    def finish(self, timeout=120):
+        out, _ = self.process.communicate(timeout=timeout)
+        assert self.process.returncode == 0, out
+        return out.split()
+
+    def kill(self):
+        self.process.kill()
+        self.process.wait()
+        self.process.stdout.close()
+
+
+@pytest.fixture
+def workers():
+    started = []
+
+    def start(*arguments):
+        worker = Worker(*arguments)
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        if worker.process.poll() is None:
+            worker.kill()
+
+
+@pytest.fixture
+def lock_factory(alias, name):
+    """Make locks on this test's alias and name; release what the test left held."""
+    made = []
+
+    def make(lock_name=None, **kwargs):
+        lk = distlocks.lock(lock_name or name, using=alias, **kwargs)
+        made.append(lk)
+        return lk
+
+    yield make
+    for lk in made:
+        while lk.hold_count:
+            try:
+                lk.release()
+            except distlocks.LockError:
+                pass

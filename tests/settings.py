@@ -1,0 +1,34 @@
+"""Test settings: the demo's apps on SQLite, MariaDB and PostgreSQL at once."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from demo_shop.settings import *  # noqa: F403
+from demo_shop.settings import BASE_DIR, database
+
+DATABASES = {
+    "default": {
+        **database("sqlite", os.environ.get("DISTLOCKS_DB_NAME") or str(BASE_DIR / "tests.sqlite3")),
+        "TEST": {"NAME": str(BASE_DIR / "test_distlocks.sqlite3")},
+    },
+    "mariadb": database("mariadb", "distlocks_tests"),
+    "postgresql": database("postgresql", "distlocks_tests"),
+    # Nothing listens there: for BackendUnavailable.
+    "mariadb_down": {**database("mariadb", "nowhere"), "HOST": "127.0.0.1", "PORT": "1"},
+    "postgresql_down": {**database("postgresql", "nowhere"), "HOST": "127.0.0.1", "PORT": "1"},
+}
+# Worker processes started by the tests use the test databases of their parent.
+for _alias, _name in json.loads(os.environ.get("DISTLOCKS_TEST_DATABASES", "{}")).items():
+    DATABASES[_alias]["NAME"] = _name
+
+DB_BACKEND = "distlocks.backends.db.DatabaseBackend"
+DISTLOCKS = {
+    "default": {"BACKEND": DB_BACKEND},
+    "mariadb": {"BACKEND": DB_BACKEND, "OPTIONS": {"DATABASE": "mariadb"}},
+    "postgresql": {"BACKEND": DB_BACKEND, "OPTIONS": {"DATABASE": "postgresql"}},
+}
+
+PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+DEMO_WORK_SECONDS = 0.01

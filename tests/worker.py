@@ -1,0 +1,66 @@
+"""A separate OS process that takes part in a test: ``python -m tests.worker SCENARIO ALIAS NAME ...``.
+
+It uses the parent's test databases (``DISTLOCKS_TEST_DATABASES``) and reports on
+stdout, one line per event, so the parent can wait for "acquired" before acting.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
+
+import django  # noqa: E402
+
+django.setup()
+
+import distlocks  # noqa: E402
+
+
+def say(*words: object) -> None:
+    print(*words, flush=True)
+
+
+def counter(alias: str, name: str, path: str, rounds: str, locked: str = "1") -> None:
+    """Increment the number in a file by read-sleep-write, under the lock (or not)."""
+    file = Path(path)
+    lock = distlocks.lock(name, using=alias, ttl=30, wait=60)
+    for _ in range(int(rounds)):
+        if locked == "1":
+            lock.acquire()
+        value = int(file.read_text())
+        time.sleep(0.002)
+        # Each write replaces the file whole, so an unlocked reader never sees half
+        # a number: what it loses is only whole updates.
+        scratch = file.with_name(f"{file.name}.{os.getpid()}")
+        scratch.write_text(str(value + 1))
+        os.replace(scratch, file)
+        if locked == "1":
+            lock.release()
+    say("done")
+
+
+def hold(alias: str, name: str, ttl: str) -> None:
+    """Take the lock and keep it until killed."""
+    lock = distlocks.lock(name, using=alias, ttl=float(ttl), wait=60)
+    lock.acquire()
+    say("acquired", lock.token)
+    time.sleep(3600)
+
+
+def take(alias: str, name: str, wait: str) -> None:
+    """Try to take the lock once within ``wait`` seconds and report the token."""
+    lock = distlocks.lock(name, using=alias, ttl=30, wait=float(wait))
+    if lock.acquire():
+        say("acquired", lock.token)
+        lock.release()
+    else:
+        say("busy")
+
+
+if __name__ == "__main__":
+    scenario, *arguments = sys.argv[1:]
+    {"counter": counter, "hold": hold, "take": take}[scenario](*arguments)
