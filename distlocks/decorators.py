@@ -11,8 +11,8 @@ from typing import Any
 from django.db import connections, transaction
 from django.http import HttpRequest, HttpResponse
 
-from distlocks.handler import DEFAULT_ALIAS
 from distlocks.backends.base import check_positive_number
+from distlocks.handler import DEFAULT_ALIAS
 from distlocks.lock import DistributedLock, check_wait
 
 View = Callable[..., HttpResponse]

@@ -23,7 +23,7 @@ BUILTIN_BACKENDS = (
 )
 
 
-class LockHandler(BaseConnectionHandler):  # type: ignore[type-arg]
+class LockHandler(BaseConnectionHandler):
     """Create one backend instance per alias and thread, lazily."""
 
     settings_name = "DISTLOCKS"

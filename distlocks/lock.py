@@ -213,9 +213,7 @@ class DistributedLock:
 
     def __enter__(self) -> DistributedLock:
         if not self.acquire():
-            raise LockNotAcquired(
-                self._message(f"not acquired within {self.wait}s"), name=self.name, alias=self.alias
-            )
+            raise LockNotAcquired(self._message(f"not acquired within {self.wait}s"), name=self.name, alias=self.alias)
         return self
 
     def __exit__(

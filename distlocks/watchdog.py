@@ -62,12 +62,13 @@ class Watchdog:
             # Its thread ended without releasing: let the lease run out rather
             # than keep a lock nobody can release for the life of the process.
             self.unwatch(hold)
-            logger.warning("Thread %s ended holding lock %r on %r; letting it expire", hold.thread.name, hold.name, hold.alias)
+            logger.warning(
+                "Thread %s ended holding lock %r on %r; letting it expire", hold.thread.name, hold.name, hold.alias
+            )
             return
         try:
             renewed = locks[hold.alias].extend(hold.key, hold.owner, hold.ttl)
         except Exception as exc:  # the watchdog must outlive any error
-
             if time.monotonic() < hold.lease_ends:
                 logger.warning("Could not renew lock %r on %r, retrying: %s", hold.name, hold.alias, exc)
                 with self._cond:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -104,7 +105,5 @@ def lock_factory(alias, name):
     yield make
     for lk in made:
         while lk.hold_count:
-            try:
+            with contextlib.suppress(distlocks.LockError):
                 lk.release()
-            except distlocks.LockError:
-                pass

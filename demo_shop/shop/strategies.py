@@ -16,8 +16,7 @@ from django.db import transaction
 from django.db.models import F
 
 import distlocks
-
-from .models import Order, Stock
+from demo_shop.shop.models import Order, Stock
 
 Strategy = Callable[[str], bool]
 
@@ -93,12 +92,21 @@ def optimistic(product_id: str) -> bool:
 def pitfall(product_id: str, alias: str) -> bool:
     """A distributed lock taken inside the transaction: released before it commits.
 
-    The next buyer gets the lock while this one's write is still uncommitted,
-    reads the old count and overwrites it (seed 002 §2.3.2).
+    The lock guards the stock update, and the rest of the order (payment,
+    e-mail...) runs after it in the same transaction. The next buyer gets the
+    lock while this one's decrement is still uncommitted, reads the old count
+    and overwrites it (seed 002 §2.3.2).
     """
     with transaction.atomic():
         with distlocks.lock(f"stock:{product_id}", using=alias, wait=60):
-            return _read_check_write(product_id, f"pitfall:{alias}")
+            stock = Stock.objects.get(product_id=product_id, warehouse=1)
+            if stock.count < 1:
+                return False
+            stock.count -= 1
+            stock.save(update_fields=["count"])
+        _work()
+        Order.objects.create(product_id=product_id, strategy=f"pitfall:{alias}")
+        return True
 
 
 def locked(product_id: str, alias: str) -> bool:

@@ -9,10 +9,9 @@ from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_POST
 
+from demo_shop.shop import strategies
 from distlocks.decorators import distributed_lock
 from distlocks.handler import locks
-
-from . import strategies
 
 
 def _answer(sold: bool) -> JsonResponse:

@@ -54,7 +54,7 @@ class BaseLockBackend:
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         self.alias = alias
         self.location: str = params.get("LOCATION", "")
-        options = params.get("OPTIONS") or {}
+        options = params.get("OPTIONS", {})
         if not isinstance(options, dict):
             raise ImproperlyConfigured(f"DISTLOCKS[{alias!r}]['OPTIONS'] must be a dict")
         self.options: dict[str, Any] = dict(options)
@@ -69,10 +69,7 @@ class BaseLockBackend:
         key = f"{self.key_prefix}:{name}" if self.key_prefix else name
         if self.max_key_length is not None and len(key) > self.max_key_length:
             room = self.max_key_length - (len(key) - len(name))
-            raise ValueError(
-                f"name is {len(name)} characters long; the {self.alias!r} backend "
-                f"takes at most {room}"
-            )
+            raise ValueError(f"name is {len(name)} characters long; the {self.alias!r} backend takes at most {room}")
         return key
 
     def try_acquire(self, key: str, owner: Owner, ttl: float) -> int | None:

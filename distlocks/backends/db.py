@@ -18,19 +18,23 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
-from django.db import DEFAULT_DB_ALIAS, DatabaseError, IntegrityError, OperationalError, connections
+from django.db import DEFAULT_DB_ALIAS, IntegrityError, OperationalError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import DateTimeField, ExpressionWrapper, F, QuerySet
 from django.db.models.functions import Now
-from django.db.utils import ConnectionDoesNotExist, InterfaceError
+from django.db.utils import InterfaceError
+from django.utils.connection import ConnectionDoesNotExist
 
 from distlocks.backends.base import BaseLockBackend, LockInfo
 from distlocks.exceptions import BackendUnavailable
 from distlocks.owner import Owner
+
+if TYPE_CHECKING:
+    from distlocks.models import Lock
 
 T = TypeVar("T")
 
@@ -61,18 +65,30 @@ def _track(connection: BaseDatabaseWrapper) -> None:
 
 
 def close_connections() -> None:
-    """Close every lock connection of this process (they reopen when next used)."""
+    """Close every lock connection of this process (each reopens when next used)."""
     with _opened_lock:
         for _, connection in _opened:
             connection.close()
-        _opened.clear()
+
+
+def _in_memory(connection: BaseDatabaseWrapper) -> bool:
+    return connection.vendor == "sqlite" and bool(connection.creation.is_in_memory_db(connection.settings_dict["NAME"]))  # type: ignore[attr-defined]
 
 
 def _expires(ttl: float) -> ExpressionWrapper:
     return ExpressionWrapper(Now() + timedelta(seconds=ttl), output_field=DateTimeField())
 
 
-def _is_busy(exc: DatabaseError) -> bool:
+class _Raise:
+    pass
+
+
+RAISE = _Raise()
+
+
+def _is_busy(exc: Exception | None) -> bool:
+    if exc is None:
+        return False
     cause = exc.__cause__
     if cause is not None and getattr(cause, "sqlstate", None) in _POSTGRES_BUSY:
         return True
@@ -95,30 +111,30 @@ class DatabaseBackend(BaseLockBackend):
 
     # -- the connection of our own ---------------------------------------------
 
-    def _connection(self) -> str:
-        """Return the alias of this thread's lock connection, opening it on first use.
+    def _using(self) -> str:
+        """Return the alias to run this thread's lock statements on.
 
-        The connection copies the database's settings but is not in
-        ``DATABASES``: Django neither wraps it in ``ATOMIC_REQUESTS`` nor closes
-        it at the end of a request, and the caller's transactions never touch it.
+        Normally a connection of our own, opened on first use: it copies the
+        database's settings but is not in ``DATABASES``, so Django neither wraps it
+        in ``ATOMIC_REQUESTS`` nor closes it at the end of a request, and the
+        caller's transactions never touch it. SQLite allows one writer at a time,
+        so there a lock taken inside the caller's transaction joins it (a second
+        connection would wait for the caller's own write lock); nobody else can
+        write until it ends, and its rollback drops the lock.
         """
-        if self._pid == os.getpid():
-            return self._connection_alias
         try:
             base = connections[self.database]
         except ConnectionDoesNotExist as exc:
             raise ImproperlyConfigured(
-                f"DISTLOCKS[{self.alias!r}]['OPTIONS']['DATABASE'] names {self.database!r}, "
-                "which is not in DATABASES"
+                f"DISTLOCKS[{self.alias!r}]['OPTIONS']['DATABASE'] names {self.database!r}, which is not in DATABASES"
             ) from exc
-        if base.vendor == "sqlite" and base.is_in_memory_db():
-            # Another connection would open another, empty database.
-            connections[self._connection_alias] = base
-        else:
+        if base.vendor == "sqlite" and (base.in_atomic_block or _in_memory(base)):
+            return self.database
+        if self._pid != os.getpid():
             connection = self._open_like(base)
             _track(connection)
             connections[self._connection_alias] = connection
-        self._pid = os.getpid()
+            self._pid = os.getpid()
         return self._connection_alias
 
     def _open_like(self, base: BaseDatabaseWrapper) -> BaseDatabaseWrapper:
@@ -129,39 +145,42 @@ class DatabaseBackend(BaseLockBackend):
         settings_dict["OPTIONS"] = options
         return type(base)(settings_dict, alias=self._connection_alias)
 
-    def _run(self, operation: Callable[[str], T], *, busy: T) -> T:
+    def _run(self, operation: Callable[[str], T], *, when_busy: T | _Raise = RAISE) -> T:
         """Run ``operation(using)``, mapping driver errors to lock semantics.
 
-        A busy database (deadlock, lock wait) is retried a few times and then
-        answers ``busy``; an unreachable one raises BackendUnavailable.
+        A busy database (deadlock, lock wait) is retried a few times, then the
+        answer is ``when_busy`` (for an attempt to acquire: not acquired) or
+        BackendUnavailable; so is an unreachable database.
         """
-        using = self._connection()
+        using = self._using()
+        error: Exception | None = None
         for _ in range(_BUSY_RETRIES):
             try:
                 return operation(using)
             except (OperationalError, InterfaceError) as exc:
+                error = exc
                 if _is_busy(exc):
                     continue
                 if "no such table" in str(exc):
                     raise
-                connection = connections[using]
-                connection.close_if_unusable_or_obsolete()
-                if connection.vendor != "sqlite":
+                if using == self._connection_alias:
+                    connections[using].close_if_unusable_or_obsolete()
                     self._pid = 0  # open a fresh connection next time
-                raise BackendUnavailable(
-                    f"Database {self.database!r} for locks on {self.alias!r} is unavailable: {exc}",
-                    alias=self.alias,
-                ) from exc
-        return busy
+                break
+        if _is_busy(error) and not isinstance(when_busy, _Raise):
+            return when_busy
+        raise BackendUnavailable(
+            f"Database {self.database!r} for locks on {self.alias!r} is unavailable: {error}", alias=self.alias
+        ) from error
 
     # -- the lock primitives ---------------------------------------------------
 
-    def _locks(self, using: str) -> QuerySet[Any]:
+    def _locks(self, using: str) -> QuerySet[Lock]:
         from distlocks.models import Lock
 
         return Lock.objects.using(using)
 
-    def _live(self, using: str, key: str, owner: Owner) -> QuerySet[Any]:
+    def _live(self, using: str, key: str, owner: Owner) -> QuerySet[Lock]:
         return self._locks(using).filter(lock_name=key, owner_secret=owner.secret, expires_at__gt=Now())
 
     def try_acquire(self, key: str, owner: Owner, ttl: float) -> int | None:
@@ -188,16 +207,14 @@ class DatabaseBackend(BaseLockBackend):
                     return None
             return None
 
-        return self._run(attempt, busy=None)
+        return self._run(attempt, when_busy=None)
 
     def reenter(self, key: str, owner: Owner, ttl: float) -> bool:
         def attempt(using: str) -> bool:
-            updated = self._live(using, key, owner).update(
-                hold_count=F("hold_count") + 1, expires_at=_expires(ttl)
-            )
+            updated = self._live(using, key, owner).update(hold_count=F("hold_count") + 1, expires_at=_expires(ttl))
             return updated == 1
 
-        return self._run(attempt, busy=False)
+        return self._run(attempt)
 
     def release(self, key: str, owner: Owner) -> bool:
         def attempt(using: str) -> bool:
@@ -211,18 +228,18 @@ class DatabaseBackend(BaseLockBackend):
             self._locks(using).filter(lock_name=key, owner_secret=owner.secret)._raw_delete(using)
             return False
 
-        return self._run(attempt, busy=False)
+        return self._run(attempt)
 
     def extend(self, key: str, owner: Owner, ttl: float) -> bool:
         def attempt(using: str) -> bool:
             return self._live(using, key, owner).update(expires_at=_expires(ttl)) == 1
 
-        return self._run(attempt, busy=False)
+        return self._run(attempt)
 
     # -- inspection and maintenance --------------------------------------------
 
     def held(self) -> Iterator[LockInfo]:
-        rows = self._run(lambda using: list(self._locks(using).filter(expires_at__gt=Now())), busy=[])
+        rows: list[Lock] = self._run(lambda using: list(self._locks(using).filter(expires_at__gt=Now())))
         for row in rows:
             yield LockInfo(
                 alias=self.alias,
@@ -235,14 +252,14 @@ class DatabaseBackend(BaseLockBackend):
             )
 
     def force_release(self, key: str) -> bool:
-        return bool(self._run(lambda using: self._locks(using).filter(lock_name=key)._raw_delete(using), busy=0))
+        return bool(self._run(lambda using: self._locks(using).filter(lock_name=key)._raw_delete(using)))
 
     def clear_expired(self, dry_run: bool = False) -> int:
         def attempt(using: str) -> int:
             expired = self._locks(using).filter(expires_at__lte=Now())
             return int(expired.count() if dry_run else expired._raw_delete(using))
 
-        return self._run(attempt, busy=0)
+        return self._run(attempt)
 
     def check(self) -> list[checks.CheckMessage]:
         if self.database not in connections:
@@ -254,7 +271,7 @@ class DatabaseBackend(BaseLockBackend):
                 )
             ]
         base = connections[self.database]
-        if base.vendor == "sqlite" and base.is_in_memory_db():
+        if _in_memory(base):
             return [
                 checks.Warning(
                     f"DISTLOCKS[{self.alias!r}] keeps locks in an in-memory SQLite database: "

@@ -4,30 +4,28 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
-    dependencies = [
-    ]
+    dependencies = []
 
     operations = [
         migrations.CreateModel(
-            name='Lock',
+            name="Lock",
             fields=[
-                ('id', models.BigAutoField(primary_key=True, serialize=False, verbose_name='fencing token')),
-                ('lock_name', models.CharField(max_length=255, unique=True, verbose_name='lock name')),
-                ('owner_host', models.CharField(max_length=255, verbose_name='owner host')),
-                ('owner_pid', models.PositiveIntegerField(verbose_name='owner pid')),
-                ('owner_thread', models.CharField(max_length=255, verbose_name='owner thread')),
-                ('owner_secret', models.CharField(editable=False, max_length=64)),
-                ('hold_count', models.PositiveIntegerField(default=1, verbose_name='hold count')),
-                ('acquired_at', models.DateTimeField(verbose_name='acquired at')),
-                ('expires_at', models.DateTimeField(db_index=True, verbose_name='expires at')),
+                ("id", models.BigAutoField(primary_key=True, serialize=False, verbose_name="fencing token")),
+                ("lock_name", models.CharField(max_length=255, unique=True, verbose_name="lock name")),
+                ("owner_host", models.CharField(max_length=255, verbose_name="owner host")),
+                ("owner_pid", models.PositiveIntegerField(verbose_name="owner pid")),
+                ("owner_thread", models.CharField(max_length=255, verbose_name="owner thread")),
+                ("owner_secret", models.CharField(editable=False, max_length=64)),
+                ("hold_count", models.PositiveIntegerField(default=1, verbose_name="hold count")),
+                ("acquired_at", models.DateTimeField(verbose_name="acquired at")),
+                ("expires_at", models.DateTimeField(db_index=True, verbose_name="expires at")),
             ],
             options={
-                'verbose_name': 'database lock',
-                'verbose_name_plural': 'database locks',
-                'permissions': [('force_release_lock', 'Can force-release a lock')],
+                "verbose_name": "database lock",
+                "verbose_name_plural": "database locks",
+                "permissions": [("force_release_lock", "Can force-release a lock")],
             },
         ),
     ]

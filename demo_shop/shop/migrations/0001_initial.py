@@ -4,33 +4,33 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
-    dependencies = [
-    ]
+    dependencies = []
 
     operations = [
         migrations.CreateModel(
-            name='Order',
+            name="Order",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('product_id', models.CharField(db_index=True, max_length=20)),
-                ('strategy', models.CharField(max_length=100)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("product_id", models.CharField(db_index=True, max_length=20)),
+                ("strategy", models.CharField(max_length=100)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
             ],
         ),
         migrations.CreateModel(
-            name='Stock',
+            name="Stock",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('product_id', models.CharField(max_length=20)),
-                ('warehouse', models.PositiveIntegerField(default=1)),
-                ('count', models.IntegerField(default=0)),
-                ('version', models.PositiveIntegerField(default=0)),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("product_id", models.CharField(max_length=20)),
+                ("warehouse", models.PositiveIntegerField(default=1)),
+                ("count", models.IntegerField(default=0)),
+                ("version", models.PositiveIntegerField(default=0)),
             ],
             options={
-                'constraints': [models.UniqueConstraint(fields=('product_id', 'warehouse'), name='unique_stock_per_warehouse')],
+                "constraints": [
+                    models.UniqueConstraint(fields=("product_id", "warehouse"), name="unique_stock_per_warehouse")
+                ],
             },
         ),
     ]

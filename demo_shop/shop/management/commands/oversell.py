@@ -12,7 +12,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
@@ -21,11 +21,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from demo_shop.shop.models import Order, Stock
+from demo_shop.shop.strategies import PLAIN
 from distlocks.handler import locks
 from distlocks.models import Lock
-
-from ...models import Order, Stock
-from ...strategies import PLAIN
 
 PRODUCT = "P-1001"
 
@@ -102,7 +101,7 @@ class Command(BaseCommand):
             if options[option] < 1:
                 raise CommandError(f"--{option} must be at least 1")
         strategies = self._strategies(options["strategies"])
-        console = Console(file=self.stdout, force_terminal=False, width=120)
+        console = Console(file=cast(IO[str], self.stdout), force_terminal=False, width=120)
         cluster = Cluster(options["workers"])
         results = []
         try:
@@ -116,7 +115,7 @@ class Command(BaseCommand):
             ) as progress:
                 for strategy in strategies:
                     task = progress.add_task(strategy, total=options["buyers"])
-                    results.append(self._run(cluster, strategy, options, lambda: progress.advance(task)))
+                    results.append(self._run(cluster, strategy, options, lambda task=task: progress.advance(task)))
         finally:
             cluster.stop()
         console.print(self._table(results))
@@ -131,7 +130,7 @@ class Command(BaseCommand):
         unknown = [name for name in names if name not in valid]
         if unknown or not names:
             raise CommandError(
-                f"unknown strategy {', '.join(unknown) or spec!r}; choose from: {', '.join(sorted(valid))}"
+                f"unknown strategy {', '.join(unknown) or repr(spec)}; choose from: {', '.join(sorted(valid))}"
             )
         return names
 

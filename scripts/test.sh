@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Install everything, start the servers that are not running, lint, type-check
+# and run the whole test suite against SQLite, MariaDB and PostgreSQL.
+# Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/lib.sh
+apt_ensure pkg-config libmariadb-dev mariadb-client postgresql-client
+venv_install -r requirements.txt
+ensure_databases
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+.venv/bin/mypy distlocks demo_shop
+.venv/bin/pytest "$@"

@@ -1,0 +1,113 @@
+"""manage.py distlocks_cleanup and manage.py oversell."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from io import StringIO
+
+import pytest
+from django.core.management import CommandError, call_command
+from django.db import connections
+
+import distlocks
+from distlocks.models import Lock
+
+from .conftest import DB, ROOT, worker_env
+
+pytestmark = DB
+
+
+def cleanup(*args):
+    out = StringIO()
+    call_command("distlocks_cleanup", *args, stdout=out)
+    return out.getvalue()
+
+
+def test_cleanup_deletes_only_expired_rows(alias, name):
+    live = distlocks.lock(f"{name}-live", using=alias)
+    expired = [distlocks.lock(f"{name}-{i}", using=alias, ttl=0.2, renew=False) for i in range(3)]
+    with live:
+        for lk in expired:
+            lk.acquire()
+        time.sleep(0.4)
+        assert cleanup("--using", alias, "--dry-run") == f"{alias}: would delete 3 expired locks\n"
+        assert Lock.objects.using(alias if alias != "default" else "default").count() == 4
+        assert cleanup("--using", alias) == f"{alias}: deleted 3 expired locks\n"
+        assert cleanup("--using", alias) == f"{alias}: deleted 0 expired locks\n"
+        assert list(Lock.objects.using(alias).values_list("lock_name", flat=True)) == [live.key]
+        for lk in expired:
+            with pytest.raises(distlocks.LockLost):
+                lk.release()
+
+
+def test_cleanup_covers_every_alias_by_default():
+    assert cleanup().splitlines() == [
+        "default: deleted 0 expired locks",
+        "mariadb: deleted 0 expired locks",
+        "postgresql: deleted 0 expired locks",
+    ]
+
+
+def test_cleanup_unknown_alias():
+    with pytest.raises(CommandError, match="DISTLOCKS has no alias 'nope'"):
+        cleanup("--using", "nope")
+
+
+def test_oversell_on_sqlite(tmp_path):
+    out = StringIO()
+    path = tmp_path / "out.json"
+    strategies = "none,local,atomic_sql,select_for_update,optimistic,lock:default"
+    call_command(
+        "oversell", "--strategies", strategies, "--stock", "20", "--buyers", "40", "--json", str(path), stdout=out
+    )
+    results = {row["strategy"]: row for row in json.loads(path.read_text())}
+    assert list(results) == strategies.split(",")
+    assert "Oversell race on sqlite" in out.getvalue()
+    for unsafe in ("none", "local"):
+        assert results[unsafe]["oversold"] > 0 or results[unsafe]["lost_updates"] > 0
+    for safe in ("atomic_sql", "select_for_update", "optimistic", "lock:default"):
+        row = results[safe]
+        assert (row["orders"], row["final_stock"], row["oversold"], row["lost_updates"]) == (20, 0, 0, 0), row
+    for row in results.values():
+        assert row["lost_updates"] == row["orders"] - (row["initial_stock"] - row["final_stock"])
+        assert row["oversold"] == max(0, row["orders"] - row["initial_stock"])
+        assert row["requests_per_second"] > 0
+
+
+def test_oversell_on_mariadb_from_the_shell(tmp_path):
+    # The demo's own settings on MariaDB, run as a user would: manage.py oversell.
+    path = tmp_path / "out.json"
+    env = {
+        **worker_env(),
+        "DJANGO_SETTINGS_MODULE": "demo_shop.settings",
+        "DISTLOCKS_DB": "mariadb",
+        "DISTLOCKS_DB_NAME": connections["mariadb"].settings_dict["NAME"],
+        "DEMO_WORK_MS": "10",
+    }
+    command = [sys.executable, "manage.py", "oversell", "--stock", "20", "--buyers", "40", "--json", str(path)]
+    completed = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stderr
+    assert "Oversell race on mysql" in completed.stdout
+    results = {row["strategy"]: row for row in json.loads(path.read_text())}
+    assert list(results) == [
+        "none",
+        "local",
+        "atomic_sql",
+        "select_for_update",
+        "optimistic",
+        "lock:default",
+        "pitfall:default",
+    ]
+    for unsafe in ("none", "local", "pitfall:default"):
+        assert results[unsafe]["oversold"] > 0 or results[unsafe]["lost_updates"] > 0, results[unsafe]
+    for safe in ("atomic_sql", "select_for_update", "optimistic", "lock:default"):
+        row = results[safe]
+        assert (row["orders"], row["final_stock"], row["oversold"], row["lost_updates"]) == (20, 0, 0, 0), row
+
+
+def test_oversell_rejects_an_unknown_strategy():
+    with pytest.raises(CommandError, match="unknown strategy lock:nope; choose from: atomic_sql, local, lock:default"):
+        call_command("oversell", "--strategies", "none,lock:nope")

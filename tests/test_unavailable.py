@@ -1,0 +1,26 @@
+"""An unreachable database gives BackendUnavailable in bounded time."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import distlocks
+
+pytestmark = pytest.mark.django_db
+
+DB = "distlocks.backends.db.DatabaseBackend"
+
+
+@pytest.mark.parametrize("database", ["mariadb_down", "postgresql_down"])
+def test_unreachable_database(settings, database):
+    settings.DISTLOCKS = {"down": {"BACKEND": DB, "OPTIONS": {"DATABASE": database, "CONNECT_TIMEOUT": 2}}}
+    lk = distlocks.lock("x", using="down", wait=None)
+    started = time.monotonic()
+    with pytest.raises(distlocks.BackendUnavailable, match="for locks on 'down' is unavailable") as info:
+        lk.acquire()
+    assert time.monotonic() - started < 10
+    assert info.value.__cause__ is not None
+    assert info.value.alias == "down"
+    assert lk.hold_count == 0
