@@ -65,7 +65,7 @@ def test_oversell_on_sqlite(tmp_path):
     )
     results = {row["strategy"]: row for row in json.loads(path.read_text())}
     assert list(results) == strategies.split(",")
-    assert "Oversell race on sqlite" in out.getvalue()
+    assert "Oversell race on SQLite" in out.getvalue()
     for unsafe in ("none", "local"):
         assert results[unsafe]["oversold"] > 0 or results[unsafe]["lost_updates"] > 0
     for safe in ("atomic_sql", "select_for_update", "optimistic", "lock:default"):
@@ -90,7 +90,7 @@ def test_oversell_on_mariadb_from_the_shell(tmp_path):
     command = [sys.executable, "manage.py", "oversell", "--stock", "20", "--buyers", "40", "--json", str(path)]
     completed = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stderr
-    assert "Oversell race on mysql" in completed.stdout
+    assert "Oversell race on MariaDB" in completed.stdout
     results = {row["strategy"]: row for row in json.loads(path.read_text())}
     assert list(results) == [
         "none",

@@ -15,16 +15,17 @@ at most ``CONNECT_TIMEOUT`` seconds (default 5).
 from __future__ import annotations
 
 import os
+import random
 import threading
+import time
 from collections.abc import Callable, Iterator
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS, IntegrityError, OperationalError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models import DateTimeField, ExpressionWrapper, F, QuerySet
+from django.db.models import QuerySet
 from django.db.models.functions import Now
 from django.db.utils import InterfaceError
 from django.utils.connection import ConnectionDoesNotExist
@@ -45,6 +46,9 @@ T = TypeVar("T")
 _MYSQL_BUSY = {1205, 1213}
 _POSTGRES_BUSY = {"40001", "40P01", "55P03"}
 _SQLITE_BUSY = ("database is locked", "database table is locked")
+# Waiters poll from 1 ms, doubling up to 20 ms between reads.
+_POLL_FIRST = 0.001
+_POLL_MAX = 0.02
 # How often a busy write statement is retried before the attempt counts as failed.
 _BUSY_RETRIES = 5
 
@@ -75,8 +79,63 @@ def _in_memory(connection: BaseDatabaseWrapper) -> bool:
     return connection.vendor == "sqlite" and bool(connection.creation.is_in_memory_db(connection.settings_dict["NAME"]))  # type: ignore[attr-defined]
 
 
-def _expires(ttl: float) -> ExpressionWrapper:
-    return ExpressionWrapper(Now() + timedelta(seconds=ttl), output_field=DateTimeField())
+class _Statements:
+    """The lock statements in one database's SQL, built once per vendor.
+
+    Hand-written rather than ORM queries: compiling a query costs more than the
+    round trip it makes, and these run on every acquire and release. Every time
+    is the database server's (``now``), never a client's.
+    """
+
+    def __init__(self, connection: BaseDatabaseWrapper) -> None:
+        from distlocks.models import Lock
+
+        vendor = connection.vendor
+        table = connection.ops.quote_name(Lock._meta.db_table)
+        if vendor == "mysql":
+            now, later = "CURRENT_TIMESTAMP(6)", "CURRENT_TIMESTAMP(6) + INTERVAL %s MICROSECOND"
+            self.lease: Callable[[float], Any] = lambda ttl: round(ttl * 1_000_000)
+        elif vendor == "postgresql":
+            now, later = "STATEMENT_TIMESTAMP()", "STATEMENT_TIMESTAMP() + %s * INTERVAL '1 microsecond'"
+            self.lease = lambda ttl: round(ttl * 1_000_000)
+        elif vendor == "sqlite":
+            # The text format Django stores datetimes in on SQLite.
+            now = "STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW')"
+            later = "STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW', %s)"
+            self.lease = lambda ttl: f"+{ttl:.3f} seconds"
+        else:
+            raise ImproperlyConfigured(f"the database lock backend does not support {connection.display_name}")
+        returning = " RETURNING id" if vendor == "postgresql" else ""
+        mine = f"lock_name = %s AND owner_secret = %s AND expires_at > {now}"
+        self.returning = bool(returning)
+        self.insert = (
+            f"INSERT INTO {table} (lock_name, owner_host, owner_pid, owner_thread, owner_secret,"
+            f" hold_count, acquired_at, expires_at) VALUES (%s, %s, %s, %s, %s, 1, {now}, {later}){returning}"
+        )
+        self.delete_expired = f"DELETE FROM {table} WHERE lock_name = %s AND expires_at <= {now}"
+        self.is_live = f"SELECT 1 FROM {table} WHERE lock_name = %s AND expires_at > {now}"
+        self.reenter = f"UPDATE {table} SET hold_count = hold_count + 1, expires_at = {later} WHERE {mine}"
+        self.extend = f"UPDATE {table} SET expires_at = {later} WHERE {mine}"
+        self.release_last = f"DELETE FROM {table} WHERE {mine} AND hold_count <= 1"
+        self.release_one = f"UPDATE {table} SET hold_count = hold_count - 1 WHERE {mine}"
+        self.drop_mine = f"DELETE FROM {table} WHERE lock_name = %s AND owner_secret = %s"
+
+
+_statements: dict[str, _Statements] = {}
+
+
+def _sql(connection: BaseDatabaseWrapper) -> _Statements:
+    statements = _statements.get(connection.vendor)
+    if statements is None:
+        statements = _statements[connection.vendor] = _Statements(connection)
+    return statements
+
+
+def _execute(connection: BaseDatabaseWrapper, sql: str, params: list[Any]) -> int:
+    """Run one statement; return the rows it changed."""
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        return int(cursor.rowcount)
 
 
 class _Raise:
@@ -145,8 +204,8 @@ class DatabaseBackend(BaseLockBackend):
         settings_dict["OPTIONS"] = options
         return type(base)(settings_dict, alias=self._connection_alias)
 
-    def _run(self, operation: Callable[[str], T], *, when_busy: T | _Raise = RAISE) -> T:
-        """Run ``operation(using)``, mapping driver errors to lock semantics.
+    def _run(self, operation: Callable[[BaseDatabaseWrapper], T], *, when_busy: T | _Raise = RAISE) -> T:
+        """Run ``operation(connection)``, mapping driver errors to lock semantics.
 
         A busy database (deadlock, lock wait) is retried a few times, then the
         answer is ``when_busy`` (for an attempt to acquire: not acquired) or
@@ -156,7 +215,7 @@ class DatabaseBackend(BaseLockBackend):
         error: Exception | None = None
         for _ in range(_BUSY_RETRIES):
             try:
-                return operation(using)
+                return operation(connections[using])
             except (OperationalError, InterfaceError) as exc:
                 error = exc
                 if _is_busy(exc):
@@ -180,66 +239,84 @@ class DatabaseBackend(BaseLockBackend):
 
         return Lock.objects.using(using)
 
-    def _live(self, using: str, key: str, owner: Owner) -> QuerySet[Lock]:
-        return self._locks(using).filter(lock_name=key, owner_secret=owner.secret, expires_at__gt=Now())
-
     def try_acquire(self, key: str, owner: Owner, ttl: float) -> int | None:
-        def attempt(using: str) -> int | None:
+        def attempt(connection: BaseDatabaseWrapper) -> int | None:
+            sql = _sql(connection)
+            params = [key, owner.host[:255], owner.pid, owner.thread[:255], owner.secret, sql.lease(ttl)]
             for _ in range(2):
                 try:
-                    row = self._locks(using).create(
-                        lock_name=key,
-                        owner_host=owner.host[:255],
-                        owner_pid=owner.pid,
-                        owner_thread=owner.thread[:255],
-                        owner_secret=owner.secret,
-                        hold_count=1,
-                        acquired_at=Now(),
-                        expires_at=_expires(ttl),
-                    )
-                    return int(row.pk)
+                    with connection.cursor() as cursor:
+                        cursor.execute(sql.insert, params)
+                        return int(cursor.fetchone()[0] if sql.returning else cursor.lastrowid)
                 except IntegrityError:
                     pass
-                # Taken; if its lease ran out, delete it (re-checking the expiry in
-                # the same statement) and try the insert once more.
-                expired = self._locks(using).filter(lock_name=key, expires_at__lte=Now())
-                if not expired._raw_delete(using):
+                # Taken. If its lease ran out, delete it (the statement re-checks
+                # the expiry, so a live lock is never deleted) and insert again.
+                if not _execute(connection, sql.delete_expired, [key]):
                     return None
             return None
 
         return self._run(attempt, when_busy=None)
 
+    def wait(self, key: str, attempt: int, remaining: float | None) -> None:
+        """Poll with a plain SELECT until the lock looks free, for at most ``remaining`` seconds.
+
+        A read takes no row or gap locks (MVCC on InnoDB and PostgreSQL, WAL
+        readers on SQLite), so waiters never get in the holder's way; only when
+        the lock looks free do they try the INSERT again.
+        """
+        deadline = None if remaining is None else time.monotonic() + remaining
+        delay = _POLL_FIRST
+        while True:
+            pause = delay * random.uniform(0.5, 1.0)
+            if deadline is not None:
+                pause = min(pause, deadline - time.monotonic())
+                if pause <= 0:
+                    return
+            time.sleep(pause)
+
+            def is_live(connection: BaseDatabaseWrapper) -> bool:
+                with connection.cursor() as cursor:
+                    cursor.execute(_sql(connection).is_live, [key])
+                    return cursor.fetchone() is not None
+
+            if not self._run(is_live):
+                return
+            delay = min(delay * 2, _POLL_MAX)
+
     def reenter(self, key: str, owner: Owner, ttl: float) -> bool:
-        def attempt(using: str) -> bool:
-            updated = self._live(using, key, owner).update(hold_count=F("hold_count") + 1, expires_at=_expires(ttl))
-            return updated == 1
+        def attempt(connection: BaseDatabaseWrapper) -> bool:
+            sql = _sql(connection)
+            return _execute(connection, sql.reenter, [sql.lease(ttl), key, owner.secret]) == 1
 
         return self._run(attempt)
 
     def release(self, key: str, owner: Owner) -> bool:
-        def attempt(using: str) -> bool:
-            # QuerySet._raw_delete() is one DELETE statement; delete() would wrap
-            # it in a transaction: three more round trips on MySQL.
-            if self._live(using, key, owner).filter(hold_count__lte=1)._raw_delete(using):
+        def attempt(connection: BaseDatabaseWrapper) -> bool:
+            sql = _sql(connection)
+            if _execute(connection, sql.release_last, [key, owner.secret]):
                 return True
-            if self._live(using, key, owner).update(hold_count=F("hold_count") - 1):
+            if _execute(connection, sql.release_one, [key, owner.secret]):
                 return True
             # The lease is gone; drop our expired row, if it is still there.
-            self._locks(using).filter(lock_name=key, owner_secret=owner.secret)._raw_delete(using)
+            _execute(connection, sql.drop_mine, [key, owner.secret])
             return False
 
         return self._run(attempt)
 
     def extend(self, key: str, owner: Owner, ttl: float) -> bool:
-        def attempt(using: str) -> bool:
-            return self._live(using, key, owner).update(expires_at=_expires(ttl)) == 1
+        def attempt(connection: BaseDatabaseWrapper) -> bool:
+            sql = _sql(connection)
+            return _execute(connection, sql.extend, [sql.lease(ttl), key, owner.secret]) == 1
 
         return self._run(attempt)
 
     # -- inspection and maintenance --------------------------------------------
 
     def held(self) -> Iterator[LockInfo]:
-        rows: list[Lock] = self._run(lambda using: list(self._locks(using).filter(expires_at__gt=Now())))
+        rows: list[Lock] = self._run(
+            lambda connection: list(self._locks(connection.alias).filter(expires_at__gt=Now()))
+        )
         for row in rows:
             yield LockInfo(
                 alias=self.alias,
@@ -252,12 +329,12 @@ class DatabaseBackend(BaseLockBackend):
             )
 
     def force_release(self, key: str) -> bool:
-        return bool(self._run(lambda using: self._locks(using).filter(lock_name=key)._raw_delete(using)))
+        return bool(self._run(lambda connection: self._locks(connection.alias).filter(lock_name=key).delete()[0]))
 
     def clear_expired(self, dry_run: bool = False) -> int:
-        def attempt(using: str) -> int:
-            expired = self._locks(using).filter(expires_at__lte=Now())
-            return int(expired.count() if dry_run else expired._raw_delete(using))
+        def attempt(connection: BaseDatabaseWrapper) -> int:
+            expired = self._locks(connection.alias).filter(expires_at__lte=Now())
+            return expired.count() if dry_run else expired.delete()[0]
 
         return self._run(attempt)
 

@@ -153,7 +153,7 @@ class Command(BaseCommand):
         final = Stock.objects.get(product_id=PRODUCT, warehouse=1).count
         return {
             "strategy": strategy,
-            "database": connection.vendor,
+            "database": connection.display_name,
             "initial_stock": initial,
             "requests": options["buyers"],
             "orders": orders,
@@ -165,8 +165,7 @@ class Command(BaseCommand):
         }
 
     def _table(self, results: list[dict[str, Any]]) -> Table:
-        vendor = connection.vendor
-        table = Table(title=f"Oversell race on {vendor} ({connection.settings_dict['NAME']})")
+        table = Table(title=f"Oversell race on {connection.display_name} ({connection.settings_dict['NAME']})")
         columns = ["strategy", "initial_stock", "orders", "final_stock", "oversold", "lost_updates", "errors"]
         for column in [*columns, "requests_per_second"]:
             table.add_column(column.replace("_", " "), justify="left" if column == "strategy" else "right")

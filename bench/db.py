@@ -1,0 +1,262 @@
+"""Benchmark the database backend against django-db-mutex and each server's own lock.
+
+    .venv/bin/python bench/db.py [--cycles 300] [--rounds 5] [--seconds 5]
+
+Side by side in one run, on SQLite, MariaDB and PostgreSQL:
+- uncontended: the latency of one acquire + release (median and p90 of every
+  cycle, rounds interleaved so that noise hits every contender alike);
+- contended: 4 processes looping on one lock for ``--seconds``, each doing a
+  read-modify-write of a shared counter file inside: total cycles/s, the worst
+  wait for the lock, errors that reached the caller, and lost updates.
+The floor is the server's own lock: MariaDB GET_LOCK/RELEASE_LOCK, PostgreSQL
+pg_advisory_lock/pg_advisory_unlock. django-db-mutex does not wait: its loop
+retries after 1 ms when the lock is taken.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ["DJANGO_SETTINGS_MODULE"] = "bench.settings"
+
+import django  # noqa: E402
+
+django.setup()
+
+from django.core.management import call_command  # noqa: E402
+from django.db import DatabaseError, connections  # noqa: E402
+
+import distlocks  # noqa: E402
+
+DATABASES = ["default", "mariadb", "postgresql"]
+IMPLS = ["floor", "django-db-mutex", "distlocks"]
+PROCESSES = 4
+
+
+def cycle_of(impl: str, alias: str, name: str) -> tuple[Callable[[], bool], Callable[[], None]] | None:
+    """Return (try_acquire_blocking, release) for ``impl`` on ``alias``, or None if it has none."""
+    connection = connections[alias]
+    if impl == "floor":
+        if connection.vendor == "mysql":
+            sql = ("SELECT GET_LOCK(%s, 60)", "SELECT RELEASE_LOCK(%s)")
+            key: object = name
+        elif connection.vendor == "postgresql":
+            sql = ("SELECT pg_advisory_lock(%s)", "SELECT pg_advisory_unlock(%s)")
+            key = zlib.crc32(name.encode())  # the same in every process
+        else:
+            return None
+        cursor = connection.cursor()
+
+        def floor_acquire() -> bool:
+            cursor.execute(sql[0], [key])
+            return True
+
+        return floor_acquire, lambda: cursor.execute(sql[1], [key])
+    if impl == "django-db-mutex":
+        from db_mutex.db_mutex import db_mutex
+        from db_mutex.exceptions import DBMutexError
+        from db_mutex.models import DBMutex
+
+        mutex = db_mutex(name)
+        DBMutex.objects.db_manager(alias)  # noqa: B018
+
+        def mutex_acquire() -> bool:
+            try:
+                with _default_db(alias):
+                    mutex.start()
+                return True
+            except DBMutexError:
+                return False
+
+        def mutex_release() -> None:
+            with _default_db(alias):
+                mutex.stop()
+
+        return mutex_acquire, mutex_release
+    lock = distlocks.lock(name, using=alias, ttl=30)
+    return lambda: lock.acquire(), lock.release
+
+
+class _default_db:  # noqa: N801
+    """Route django-db-mutex (which always uses the default database) to ``alias``."""
+
+    def __init__(self, alias: str) -> None:
+        self.alias = alias
+
+    def __enter__(self) -> None:
+        if self.alias != "default":
+            self.saved = connections["default"]
+            connections["default"] = connections[self.alias]
+
+    def __exit__(self, *exc: object) -> None:
+        if self.alias != "default":
+            connections["default"] = self.saved
+
+
+def uncontended(impl: str, alias: str, cycles: int) -> list[float]:
+    pair = cycle_of(impl, alias, f"bench-{uuid.uuid4().hex}")
+    if pair is None:
+        return []
+    acquire, release = pair
+    samples = []
+    for _ in range(cycles):
+        started = time.perf_counter()
+        assert acquire()
+        release()
+        samples.append(time.perf_counter() - started)
+    return samples
+
+
+def worker(impl: str, alias: str, name: str, seconds: float, counter: str) -> None:
+    """One of the contending processes: print cycles, worst wait, errors as JSON."""
+    pair = cycle_of(impl, alias, name)
+    assert pair is not None
+    acquire, release = pair
+    path = Path(counter)
+    cycles = 0
+    errors: list[str] = []
+    worst = 0.0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        started = time.monotonic()
+        try:
+            while not acquire():
+                time.sleep(0.001)
+        except DatabaseError as exc:
+            errors.append(str(exc)[:80])  # e.g. an InnoDB deadlock (1213) surfaced to the caller
+            continue
+        worst = max(worst, time.monotonic() - started)
+        scratch = path.with_name(f"{path.name}.{os.getpid()}")
+        scratch.write_text(str(int(path.read_text()) + 1))
+        os.replace(scratch, path)  # whole numbers only: overlaps show as lost updates
+        try:
+            release()
+        except DatabaseError as exc:
+            errors.append(str(exc)[:80])
+        cycles += 1
+    print(json.dumps({"cycles": cycles, "worst": worst, "errors": errors}))
+
+
+def contended(impl: str, alias: str, seconds: float, tmp: Path) -> dict[str, float] | None:
+    if cycle_of(impl, alias, "probe") is None:
+        return None
+    counter = tmp / f"counter-{uuid.uuid4().hex}"
+    counter.write_text("0")
+    name = f"bench-{uuid.uuid4().hex}"
+    command = [sys.executable, __file__, "--worker", impl, alias, name, str(seconds), str(counter)]
+    processes = [subprocess.Popen(command, stdout=subprocess.PIPE, text=True) for _ in range(PROCESSES)]
+    reports = [json.loads(p.communicate()[0].splitlines()[-1]) for p in processes]
+    cycles = sum(r["cycles"] for r in reports)
+    return {
+        "per_second": cycles / seconds,
+        "worst_ms": max(r["worst"] for r in reports) * 1000,
+        "errors": sum(len(r["errors"]) for r in reports),
+        "error_kinds": sorted({e for r in reports for e in r["errors"]}),
+        "lost_updates": cycles - int(counter.read_text()),
+    }
+
+
+def prepare() -> None:
+    for alias in DATABASES:
+        connection = connections[alias]
+        if connection.vendor != "sqlite":
+            name = connection.ops.quote_name(connection.settings_dict["NAME"])
+            with connection._nodb_cursor() as cursor, contextlib.suppress(DatabaseError):  # it exists already
+                cursor.execute(f"CREATE DATABASE {name}")
+        call_command("migrate", database=alias, verbosity=0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cycles", type=int, default=300, help="acquire+release cycles per round")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per contender")
+    parser.add_argument("--seconds", type=float, default=5, help="length of each contended run")
+    parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        impl, alias, name, seconds, counter = args.worker
+        worker(impl, alias, name, float(seconds), counter)
+        return
+
+    from rich.console import Console
+    from rich.table import Table
+
+    prepare()
+    samples: dict[tuple[str, str], list[float]] = {(a, i): [] for a in DATABASES for i in IMPLS}
+    for _ in range(args.rounds):
+        for alias in DATABASES:
+            for impl in IMPLS:
+                samples[alias, impl] += uncontended(impl, alias, args.cycles)
+    tmp = ROOT / ".bench"
+    tmp.mkdir(exist_ok=True)
+    busy = {(a, i): contended(i, a, args.seconds, tmp) for a in DATABASES for i in IMPLS}
+
+    table = Table(
+        title=f"Database locks: {args.rounds}x{args.cycles} uncontended cycles, {PROCESSES} processes x {args.seconds}s contended"
+    )
+    for column in [
+        "database",
+        "lock",
+        "median µs",
+        "p90 µs",
+        "x floor",
+        "x db-mutex",
+        "contended/s",
+        "worst wait ms",
+        "errors",
+        "lost updates",
+    ]:
+        table.add_column(column, justify="left" if column in ("database", "lock") else "right")
+    results = []
+    for alias in DATABASES:
+        vendor = connections[alias].display_name
+        floor = statistics.median(samples[alias, "floor"]) if samples[alias, "floor"] else None
+        mutex = statistics.median(samples[alias, "django-db-mutex"])
+        for impl in IMPLS:
+            if not samples[alias, impl]:
+                continue
+            values = sorted(samples[alias, impl])
+            median = statistics.median(values)
+            p90 = values[int(len(values) * 0.9)]
+            run = busy[alias, impl] or {}
+            row = {
+                "database": vendor,
+                "lock": impl,
+                "median_us": median * 1e6,
+                "p90_us": p90 * 1e6,
+                "x_floor": median / floor if floor else None,
+                "x_db_mutex": median / mutex,
+                **run,
+            }
+            results.append(row)
+            table.add_row(
+                vendor,
+                impl,
+                f"{median * 1e6:.0f}",
+                f"{p90 * 1e6:.0f}",
+                f"{median / floor:.2f}" if floor else "-",
+                f"{median / mutex:.2f}",
+                f"{run.get('per_second', 0):.0f}",
+                f"{run.get('worst_ms', 0):.1f}",
+                str(run.get("errors", "-")),
+                str(run.get("lost_updates", "-")),
+            )
+    Console().print(table)
+    (tmp / "db.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
