@@ -15,14 +15,16 @@ find_python() {
   return 1
 }
 
-# Create .venv if needed and pip-install the given requirement arguments into it.
+# Create the virtualenv $VENV (default .venv) if needed and pip-install the
+# given requirement arguments into it.
 venv_install() {
-  if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then
-    rm -rf .venv
-    "$(find_python)" -m venv .venv
-    .venv/bin/python -m pip install --quiet --upgrade pip
+  local venv="${VENV:-.venv}"
+  if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then
+    rm -rf "$venv"
+    "$(find_python)" -m venv "$venv"
+    "$venv/bin/python" -m pip install --quiet --upgrade pip
   fi
-  .venv/bin/python -m pip install --quiet --disable-pip-version-check "$@"
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "$@"
 }
 
 # Install Debian packages that are missing (as root, or through sudo).
