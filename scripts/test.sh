@@ -13,5 +13,5 @@ ensure_databases
 .venv/bin/mypy distlocks demo_shop
 .venv/bin/pytest "$@"
 echo "The same tests on Django 5.2 LTS:"
-VENV=.venv-django52 venv_install -r requirements.txt "Django==5.2.19"
+VENV=.venv-django52 venv_install -r requirements-test.txt "Django==5.2.19"
 .venv-django52/bin/pytest "$@"
