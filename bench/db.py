@@ -254,7 +254,7 @@ def main() -> None:
                 str(run.get("errors", "-")),
                 str(run.get("lost_updates", "-")),
             )
-    Console().print(table)
+    Console(width=160).print(table)
     (tmp / "db.json").write_text(json.dumps(results, indent=2))
 
 
