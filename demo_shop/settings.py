@@ -106,7 +106,18 @@ TEMPLATES = [
 DATABASES = {"default": database(os.environ.get("DISTLOCKS_DB", "sqlite"), os.environ.get("DISTLOCKS_DB_NAME"))}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
-DISTLOCKS = {"default": {"BACKEND": "distlocks.backends.db.DatabaseBackend", "TTL": 30}}
+DISTLOCKS: dict[str, dict[str, Any]] = {"default": {"BACKEND": "distlocks.backends.db.DatabaseBackend", "TTL": 30}}
+
+# DISTLOCKS_REDIS_URL=redis://127.0.0.1:6379/0 adds the "redis" lock alias.
+if REDIS_URL := os.environ.get("DISTLOCKS_REDIS_URL"):
+    CACHES = {
+        "default": {
+            "BACKEND": "django_redis.cache.RedisCache",
+            "LOCATION": REDIS_URL,
+            "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 2, "SOCKET_TIMEOUT": 5},
+        }
+    }
+    DISTLOCKS["redis"] = {"BACKEND": "distlocks.backends.redis.RedisBackend", "OPTIONS": {"CACHE": "default"}}
 
 # How long a buy "works" between reading the stock and writing it back: the
 # window in which unsafe strategies race (the business logic of seed 002).

@@ -13,16 +13,29 @@ from django.db import connections
 
 import distlocks
 from distlocks.backends.db import close_connections
+from tests.servers import REDIS_PORT, RedisServer, answers
 
 ROOT = Path(__file__).resolve().parent.parent
 DB_ALIASES = ["default", "mariadb", "postgresql"]
+ALIASES = [*DB_ALIASES, "redis"]
 # Mark modules that use the database: every test runs on its own committed data.
 DB = pytest.mark.django_db(transaction=True, databases=DB_ALIASES)
 
 
-@pytest.fixture(params=DB_ALIASES)
+@pytest.fixture(scope="session", autouse=True)
+def redis_server():
+    """The tests' Redis, on its own loopback port (left alone if one answers there)."""
+    if answers(REDIS_PORT):
+        yield None
+        return
+    server = RedisServer(REDIS_PORT).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=ALIASES)
 def alias(request):
-    """Each alias of the database backend; the module must be marked ``DB`` for the databases."""
+    """Each configured lock alias; the module must be marked ``DB`` for the databases."""
     request.getfixturevalue("transactional_db")
     return request.param
 

@@ -7,14 +7,17 @@ import os
 
 from demo_shop.settings import *  # noqa: F403
 from demo_shop.settings import BASE_DIR, database
+from tests.servers import redis_url
 
+# Test databases of this run's own, so that two runs on one machine do not collide.
+RUN = os.environ.setdefault("DISTLOCKS_TEST_RUN", str(os.getpid()))
 DATABASES = {
     "default": {
         **database("sqlite", os.environ.get("DISTLOCKS_DB_NAME") or str(BASE_DIR / "tests.sqlite3")),
-        "TEST": {"NAME": str(BASE_DIR / "test_distlocks.sqlite3")},
+        "TEST": {"NAME": str(BASE_DIR / f"test_distlocks_{RUN}.sqlite3")},
     },
-    "mariadb": database("mariadb", "distlocks_tests"),
-    "postgresql": database("postgresql", "distlocks_tests"),
+    "mariadb": {**database("mariadb", "distlocks_tests"), "TEST": {"NAME": f"test_distlocks_{RUN}"}},
+    "postgresql": {**database("postgresql", "distlocks_tests"), "TEST": {"NAME": f"test_distlocks_{RUN}"}},
     # Nothing listens there: for BackendUnavailable.
     "mariadb_down": {**database("mariadb", "nowhere"), "HOST": "127.0.0.1", "PORT": "1"},
     "postgresql_down": {**database("postgresql", "nowhere"), "HOST": "127.0.0.1", "PORT": "1"},
@@ -23,11 +26,23 @@ DATABASES = {
 for _alias, _name in json.loads(os.environ.get("DISTLOCKS_TEST_DATABASES", "{}")).items():
     DATABASES[_alias]["NAME"] = _name
 
+CACHES = {
+    "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+    "redis": {
+        "BACKEND": "django_redis.cache.RedisCache",
+        "LOCATION": redis_url(),
+        "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 2, "SOCKET_TIMEOUT": 5},
+    },
+    # Nothing listens there: for BackendUnavailable.
+    "redis_down": {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": "redis://127.0.0.1:1/0"},
+}
+
 DB_BACKEND = "distlocks.backends.db.DatabaseBackend"
 DISTLOCKS = {
     "default": {"BACKEND": DB_BACKEND},
     "mariadb": {"BACKEND": DB_BACKEND, "OPTIONS": {"DATABASE": "mariadb"}},
     "postgresql": {"BACKEND": DB_BACKEND, "OPTIONS": {"DATABASE": "postgresql"}},
+    "redis": {"BACKEND": "distlocks.backends.redis.RedisBackend", "OPTIONS": {"CACHE": "redis"}},
 }
 
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]

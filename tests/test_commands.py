@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -15,7 +16,7 @@ from django.db import connections
 import distlocks
 from distlocks.models import Lock
 
-from .conftest import DB, ROOT, worker_env
+from .conftest import DB, DB_ALIASES, ROOT, worker_env
 
 pytestmark = DB
 
@@ -26,6 +27,7 @@ def cleanup(*args):
     return out.getvalue()
 
 
+@pytest.mark.parametrize("alias", DB_ALIASES, indirect=True)
 def test_cleanup_deletes_only_expired_rows(alias, name):
     live = distlocks.lock(f"{name}-live", using=alias)
     expired = [distlocks.lock(f"{name}-{i}", using=alias, ttl=0.2, renew=False) for i in range(3)]
@@ -44,11 +46,24 @@ def test_cleanup_deletes_only_expired_rows(alias, name):
 
 
 def test_cleanup_covers_every_alias_by_default():
-    assert cleanup().splitlines() == [
+    lines = cleanup().splitlines()
+    assert lines[:3] == [
         "default: deleted 0 expired locks",
         "mariadb: deleted 0 expired locks",
         "postgresql: deleted 0 expired locks",
     ]
+    assert re.fullmatch(r"redis: deleted \d+ unused fencing counters", lines[3])
+    assert len(lines) == 4
+
+
+def test_cleanup_of_redis_keeps_tokens_growing(name):
+    lk = distlocks.lock(name, using="redis")
+    with lk:
+        first = lk.token
+    assert "would delete" in cleanup("--using", "redis", "--dry-run")
+    cleanup("--using", "redis")
+    with lk:
+        assert lk.token > first
 
 
 def test_cleanup_unknown_alias():
@@ -59,7 +74,7 @@ def test_cleanup_unknown_alias():
 def test_oversell_on_sqlite(tmp_path):
     out = StringIO()
     path = tmp_path / "out.json"
-    strategies = "none,local,atomic_sql,select_for_update,optimistic,lock:default"
+    strategies = "none,local,atomic_sql,select_for_update,optimistic,lock:default,lock:redis"
     call_command(
         "oversell", "--strategies", strategies, "--stock", "20", "--buyers", "40", "--json", str(path), stdout=out
     )
@@ -68,7 +83,7 @@ def test_oversell_on_sqlite(tmp_path):
     assert "Oversell race on SQLite" in out.getvalue()
     for unsafe in ("none", "local"):
         assert results[unsafe]["oversold"] > 0 or results[unsafe]["lost_updates"] > 0
-    for safe in ("atomic_sql", "select_for_update", "optimistic", "lock:default"):
+    for safe in ("atomic_sql", "select_for_update", "optimistic", "lock:default", "lock:redis"):
         row = results[safe]
         assert (row["orders"], row["final_stock"], row["oversold"], row["lost_updates"]) == (20, 0, 0, 0), row
     for row in results.values():

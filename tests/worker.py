@@ -24,10 +24,16 @@ def say(*words: object) -> None:
     print(*words, flush=True)
 
 
-def counter(alias: str, name: str, path: str, rounds: str, locked: str = "1") -> None:
-    """Increment the number in a file by read-sleep-write, under the lock (or not)."""
+def counter(alias: str, name: str, path: str, rounds: str, processes: str, locked: str = "1") -> None:
+    """Increment the number in a file by read-sleep-write, under the lock (or not).
+
+    The ``processes`` workers start their loops together, so that they overlap.
+    """
     file = Path(path)
     lock = distlocks.lock(name, using=alias, ttl=30, wait=60)
+    Path(f"{path}.ready.{os.getpid()}").touch()
+    while len(list(file.parent.glob(f"{file.name}.ready.*"))) < int(processes):
+        time.sleep(0.01)
     for _ in range(int(rounds)):
         if locked == "1":
             lock.acquire()

@@ -50,6 +50,8 @@ class BaseLockBackend:
 
     #: The longest key this backend stores, or None for no limit.
     max_key_length: int | None = None
+    #: What ``clear_expired()`` deletes, for the cleanup command's report.
+    cleanup_noun = "expired locks"
 
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         self.alias = alias

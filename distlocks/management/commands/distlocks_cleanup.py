@@ -11,7 +11,7 @@ from distlocks.handler import locks
 
 
 class Command(BaseCommand):
-    help = "Delete expired locks (rows of the database backend), and print how many."
+    help = "Delete the state that expired locks leave behind (database rows, unused Redis counters); print how many."
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--using", action="append", help="Only this DISTLOCKS alias (repeatable).")
@@ -31,4 +31,4 @@ class Command(BaseCommand):
                 continue
             except LockError as exc:
                 raise CommandError(f"{alias}: {exc}") from exc
-            self.stdout.write(f"{alias}: {verb} {count} expired lock{'s' if count != 1 else ''}")
+            self.stdout.write(f"{alias}: {verb} {count} {backend.cleanup_noun}")
