@@ -1,0 +1,154 @@
+"""What is particular to the Redis backend: pub/sub wake-up, scripts, keys, restarts."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from django_redis import get_redis_connection
+
+import distlocks
+from distlocks.handler import locks
+
+from .conftest import DB
+from .servers import RedisServer, answers
+
+pytestmark = DB
+
+
+def test_a_waiter_wakes_within_milliseconds_of_the_release(name):
+    holder = distlocks.lock(name, using="redis")
+    holder.acquire()
+    woke = []
+    waiting = threading.Event()
+
+    def wait_for_it():
+        lk = distlocks.lock(name, using="redis", wait=10)
+        waiting.set()
+        lk.acquire()
+        woke.append(time.monotonic())
+        lk.release()
+
+    thread = threading.Thread(target=wait_for_it)
+    thread.start()
+    waiting.wait()
+    time.sleep(0.5)  # well into its wait: a poller would sleep now
+    released = time.monotonic()
+    holder.release()
+    thread.join(10)
+    assert woke
+    assert woke[0] - released < 0.05
+
+
+def test_a_waiter_wakes_when_a_dead_holders_lease_runs_out(name):
+    # The holder never releases (renew=False stands for a crashed process): no
+    # release is published, and the waiter wakes when the lease ends.
+    holder = distlocks.lock(name, using="redis", ttl=0.5, renew=False)
+    holder.acquire()
+    started = time.monotonic()
+    result = []
+    thread = threading.Thread(target=lambda: result.append(distlocks.lock(name, using="redis").acquire(wait=5)))
+    thread.start()
+    thread.join(10)
+    assert result == [True]
+    assert 0.3 < time.monotonic() - started < 2
+    with pytest.raises(distlocks.LockLost):
+        holder.release()
+
+
+def test_keys_share_one_cluster_slot(name):
+    lk = distlocks.lock(name, using="redis")
+    with lk:
+        client = get_redis_connection("redis")
+        keys = [k.decode() for k in client.scan_iter(match=f"distlocks:{{{lk.key}}}*")]
+        assert sorted(keys) == [f"distlocks:{{{lk.key}}}", f"distlocks:{{{lk.key}}}:fence"]
+        # Every key hashes on the part between the braces: the lock's key.
+        assert all(key[key.index("{") + 1 : key.index("}")] == lk.key for key in keys)
+
+
+def test_scripts_are_reloaded_after_a_script_flush(name):
+    lk = distlocks.lock(name, using="redis")
+    with lk:
+        pass
+    get_redis_connection("redis").script_flush()
+    with lk:
+        assert lk.hold_count == 1
+
+
+def test_force_release_wakes_waiters_and_the_holder_loses_it(name):
+    holder = distlocks.lock(name, using="redis", ttl=0.6)
+    holder.acquire()
+    assert locks["redis"].force_release(holder.key)
+    with pytest.raises(distlocks.LockLost):  # re-entering a lost hold
+        holder.acquire()
+    result = []
+    thread = threading.Thread(target=lambda: result.append(distlocks.lock(name, using="redis").acquire(wait=0)))
+    thread.start()
+    thread.join()
+    assert result == [True]
+    with pytest.raises(distlocks.LockLost):
+        holder.release()
+
+
+def test_unreachable_redis(settings):
+    settings.DISTLOCKS = {
+        "down": {"BACKEND": "distlocks.backends.redis.RedisBackend", "OPTIONS": {"CACHE": "redis_down"}}
+    }
+    started = time.monotonic()
+    with pytest.raises(distlocks.BackendUnavailable, match="for locks on 'down' is unavailable") as info:
+        distlocks.lock("x", using="down").acquire()
+    assert time.monotonic() - started < 5
+    assert info.value.__cause__ is not None
+
+
+def test_a_restart_without_persistence_forgets_the_lock(settings, name):
+    # A server of this test's own: restarting it must not disturb the others.
+    port = 16399
+    assert not answers(port)
+    server = RedisServer(port).start()
+    try:
+        settings.CACHES = {
+            **settings.CACHES,
+            "solo": {
+                "BACKEND": "django_redis.cache.RedisCache",
+                "LOCATION": f"redis://127.0.0.1:{port}/0",
+                "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 1, "SOCKET_TIMEOUT": 2},
+            },
+        }
+        settings.DISTLOCKS = {
+            "solo": {"BACKEND": "distlocks.backends.redis.RedisBackend", "OPTIONS": {"CACHE": "solo"}}
+        }
+        lost = []
+        lk = distlocks.lock(name, using="solo", ttl=0.6)
+        lk.acquire()
+        before = lk.token
+        server.restart()
+        # What the README says: the lock is forgotten, the holder's next renewal
+        # fails, others can take it at once, and tokens still grow.
+        other = []
+        thread = threading.Thread(target=lambda: other.append(_take(name)))
+        thread.start()
+        thread.join()
+        assert other
+        assert other[0] > before
+        deadline = time.monotonic() + 5
+        while not lk.lost and time.monotonic() < deadline:
+            time.sleep(0.05)
+        lost.append(lk.lost)
+        assert lost == [True]
+        with pytest.raises(distlocks.LockLost):
+            lk.release()
+    finally:
+        server.stop()
+
+
+def _take(name):
+    lk = distlocks.lock(name, using="solo")
+    for _ in range(50):  # the client reconnects after the restart
+        try:
+            with lk:
+                return lk.token
+        except distlocks.BackendUnavailable:
+            time.sleep(0.1)
+    return None
