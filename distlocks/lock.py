@@ -161,17 +161,22 @@ class DistributedLock:
 
         deadline = None if wait is None else time.monotonic() + wait
         attempt = 0
-        while True:
-            started = time.monotonic()
-            token = backend.try_acquire(self.key, owner, self.ttl)
-            if token is not None:
-                break
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                logger.debug("Lock %r on %r not acquired within %ss", self.name, self.alias, wait)
-                return False
-            backend.wait(self.key, attempt, remaining)
-            attempt += 1
+        token = None
+        try:
+            while True:
+                started = time.monotonic()
+                token = backend.try_acquire(self.key, owner, self.ttl)
+                if token is not None:
+                    break
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    logger.debug("Lock %r on %r not acquired within %ss", self.name, self.alias, wait)
+                    return False
+                backend.wait(self.key, attempt, remaining)
+                attempt += 1
+        finally:
+            if attempt:
+                backend.end_wait(self.key, acquired=token is not None)
 
         hold = Hold(type(self), self.alias, self.name, self.key, owner, token, self.ttl)
         hold.lease_ends = started + self.ttl

@@ -30,14 +30,16 @@ class Watchdog:
         self._cond = threading.Condition()
         self._due: dict[Hold, float] = {}
         self._thread: threading.Thread | None = None
+        self._wake_at = 0.0
 
     def watch(self, hold: Hold) -> None:
         with self._cond:
-            self._due[hold] = time.monotonic() + hold.ttl / 3
+            due = self._due[hold] = time.monotonic() + hold.ttl / 3
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="distlocks-watchdog", daemon=True)
                 self._thread.start()
-            self._cond.notify()
+            if due < self._wake_at:
+                self._cond.notify()  # only when it must wake earlier than planned: notifying costs a thread switch
 
     def unwatch(self, hold: Hold) -> None:
         with self._cond:
@@ -49,8 +51,11 @@ class Watchdog:
                 now = time.monotonic()
                 due = [hold for hold, at in self._due.items() if at <= now]
                 if not due:
-                    next_at = min(self._due.values(), default=now + 60)
-                    self._cond.wait(next_at - now)
+                    # Idle, it looks again every second, so that most new holds
+                    # need no wake-up call.
+                    self._wake_at = min(self._due.values(), default=now + 1.0)
+                    self._cond.wait(self._wake_at - now)
+                    self._wake_at = 0.0
                     continue
             for hold in due:
                 self._renew(hold)

@@ -100,6 +100,9 @@ class BaseLockBackend:
         delay = min(0.002 * 2 ** min(attempt, 5), 0.05) * random.uniform(0.5, 1.0)
         time.sleep(delay if remaining is None else min(delay, remaining))
 
+    def end_wait(self, key: str, acquired: bool) -> None:
+        """Forget this thread's wait for ``key``: it ``acquired`` the lock, or gave up."""
+
     def held(self) -> Iterator[LockInfo]:
         """Yield the locks held right now (for the admin and the commands)."""
         raise NotImplementedError("subclasses of BaseLockBackend may provide a held() method")

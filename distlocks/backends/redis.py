@@ -22,6 +22,7 @@ Set ``SOCKET_CONNECT_TIMEOUT`` and ``SOCKET_TIMEOUT`` in the cache's
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -35,24 +36,39 @@ from django.core.exceptions import ImproperlyConfigured
 
 from distlocks.backends.base import BaseLockBackend, LockInfo
 from distlocks.exceptions import BackendUnavailable
-from distlocks.owner import Owner
+from distlocks.owner import Owner, current_owner
 
 logger = logging.getLogger(__name__)
 
-# KEYS[1] the lock hash, KEYS[2] its fencing counter
-# ARGV[1] the owner's secret, ARGV[2] the lease in ms, ARGV[3] the owner's description
-# return {token, 0} when acquired, {0, remaining lease in ms} when held by someone
+# KEYS[1] the lock hash, KEYS[2] its fencing counter, KEYS[3] the next owner, KEYS[4] the waiters' queue
+# ARGV[1] the owner's secret, ARGV[2] the lease in ms, ARGV[3] the owner's description,
+# ARGV[4] '1' if the owner waits: queue it (by arrival on the server's clock) when not acquired
+# return {token, 0} when acquired, {0, ms to wait at most} when not
 ACQUIRE = """
+local now = redis.call('TIME')
+local function refuse(wait_ms)
+  if ARGV[4] == '1' then
+    redis.call('ZADD', KEYS[4], 'NX', now[1] * 1000 + math.floor(now[2] / 1000), ARGV[1])
+    redis.call('PEXPIRE', KEYS[4], 60000)
+  end
+  return {0, wait_ms}
+end
 if redis.call('EXISTS', KEYS[1]) == 1 then
-  return {0, redis.call('PTTL', KEYS[1])}
+  return refuse(redis.call('PTTL', KEYS[1]))
 end
-if redis.call('EXISTS', KEYS[2]) == 0 then
-  local now = redis.call('TIME')
-  redis.call('SET', KEYS[2], now[1] .. string.format('%06d', now[2]))
+local next_owner = redis.call('GET', KEYS[3])
+if next_owner and next_owner ~= ARGV[1] then
+  return refuse(redis.call('PTTL', KEYS[3]))
 end
+if next_owner then redis.call('DEL', KEYS[3]) end
+if ARGV[4] == '1' then redis.call('ZREM', KEYS[4], ARGV[1]) end
 local token = redis.call('INCR', KEYS[2])
-redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'count', 1, 'token', token, 'info', ARGV[3],
-           'acquired', redis.call('TIME')[1])
+if token == 1 then
+  -- A new counter (first use, or a restart without persistence): start from
+  -- the clock in microseconds, above every token it can have given before.
+  token = redis.call('INCRBY', KEYS[2], now[1] .. string.format('%06d', now[2]))
+end
+redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'count', 1, 'token', token, 'info', ARGV[3], 'acquired', now[1])
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return {token, 0}
 """
@@ -66,14 +82,20 @@ redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
 """
 
-# KEYS[1] the lock hash, KEYS[2] its release channel / ARGV[1] the owner's secret
-# return the holds left (0: released and published), -1 if the owner does not hold it
+# KEYS[1] the lock hash, KEYS[2] its release channel, KEYS[3] the next owner, KEYS[4] the waiters' queue
+# ARGV[1] the owner's secret, ARGV[2] how long the first waiter has the lock to itself, in ms
+# return the holds left (0: released, and the first waiter's secret published), -1 if the owner does not hold it
 RELEASE = """
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return -1 end
 local left = redis.call('HINCRBY', KEYS[1], 'count', -1)
 if left > 0 then return left end
 redis.call('DEL', KEYS[1])
-redis.call('PUBLISH', KEYS[2], 'released')
+local first = redis.call('ZRANGE', KEYS[4], 0, 0)[1]
+if first then
+  redis.call('ZREM', KEYS[4], first)
+  redis.call('SET', KEYS[3], first, 'PX', ARGV[2])
+end
+redis.call('PUBLISH', KEYS[2], first or '')
 return 0
 """
 
@@ -93,28 +115,37 @@ return 1
 """
 
 
+# How long a released lock is reserved for the first waiter in the queue.
+HANDOFF_MS = 50
+# How long a channel stays subscribed after its last waiter left, in seconds.
+IDLE_SUBSCRIPTION = 10.0
+
+
 class _Releases:
     """One pub/sub connection per process and Redis, shared by every waiter.
 
     Waiters subscribe to a lock's release channel; a daemon thread reads the
-    connection and wakes the waiters of the channel a release arrives on.
+    connection and wakes the waiter the release was handed to (or all of them
+    when it was handed to nobody). A channel stays subscribed for a while after
+    its last waiter left, so that a busy lock does not subscribe again and again.
     """
 
     def __init__(self, client: Any) -> None:
         self.pubsub = client.pubsub()
         self.lock = threading.Lock()
-        self.waiters: dict[str, list[threading.Event]] = {}
+        self.waiters: dict[str, dict[str, threading.Event]] = {}
         self.ready: dict[str, threading.Event] = {}
+        self.idle_since: dict[str, float] = {}
         self.thread = threading.Thread(target=self._run, name="distlocks-redis-releases", daemon=True)
         self.started = False
 
-    def subscribe(self, channel: str) -> tuple[threading.Event, threading.Event]:
-        """Return (released, subscribed) events for a new waiter on ``channel``."""
+    def subscribe(self, channel: str, secret: str) -> tuple[threading.Event, threading.Event]:
+        """Return (released, subscribed) events for the waiter ``secret`` on ``channel``."""
         released = threading.Event()
         with self.lock:
-            waiters = self.waiters.setdefault(channel, [])
-            waiters.append(released)
-            if len(waiters) == 1:
+            self.waiters.setdefault(channel, {})[secret] = released
+            self.idle_since.pop(channel, None)
+            if channel not in self.ready:
                 self.ready[channel] = threading.Event()
                 self.pubsub.subscribe(channel)
             if not self.started:
@@ -122,33 +153,43 @@ class _Releases:
                 self.started = True
             return released, self.ready[channel]
 
-    def unsubscribe(self, channel: str, released: threading.Event) -> None:
+    def unsubscribe(self, channel: str, secret: str) -> None:
         with self.lock:
-            waiters = self.waiters.get(channel, [])
-            waiters.remove(released)
+            waiters = self.waiters.get(channel, {})
+            waiters.pop(secret, None)
             if not waiters:
-                del self.waiters[channel]
-                self.ready.pop(channel, None)
-                self.pubsub.unsubscribe(channel)
+                self.waiters.pop(channel, None)
+                now = time.monotonic()
+                self.idle_since[channel] = now
+                stale = [c for c, since in self.idle_since.items() if now - since > IDLE_SUBSCRIPTION]
+                for idle in stale:
+                    del self.idle_since[idle]
+                    del self.ready[idle]
+                if stale:
+                    self.pubsub.unsubscribe(*stale)
 
     def _run(self) -> None:
         while True:
+            if not self.pubsub.subscribed:
+                self.pubsub.subscribed_event.wait(1.0)
+                continue
             try:
-                message = self.pubsub.get_message(timeout=None)
+                response = self.pubsub.parse_response(block=True)
+                message = self.pubsub.handle_message(response) if response else None
             except Exception as exc:  # the connection broke: redis-py reconnects and resubscribes
                 logger.warning("Redis release channel: %s", exc)
                 time.sleep(0.5)
                 continue
             if message is None:
                 continue
-            channel = message["channel"]
-            if isinstance(channel, bytes):
-                channel = channel.decode()
+            channel, data = (v.decode() if isinstance(v, bytes) else v for v in (message["channel"], message["data"]))
             with self.lock:
                 if message["type"] == "subscribe" and channel in self.ready:
                     self.ready[channel].set()
                 elif message["type"] == "message":
-                    for released in self.waiters.get(channel, []):
+                    waiters = self.waiters.get(channel, {})
+                    chosen = waiters.get(data) if data else None
+                    for released in [chosen] if chosen else waiters.values():
                         released.set()
 
 
@@ -165,6 +206,10 @@ class RedisBackend(BaseLockBackend):
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         super().__init__(alias, params)
         self.cache: str = self.options.get("CACHE", "default")
+        # This thread's waits (backend instances are per thread): the release
+        # event per key, and how long the last failed attempt said to wait.
+        self._waiting: dict[str, threading.Event] = {}
+        self._wait_hint: dict[str, float] = {}
 
     @property
     def client(self) -> Any:
@@ -222,19 +267,31 @@ class RedisBackend(BaseLockBackend):
     def _channel(self, key: str) -> str:
         return f"distlocks:{{{key}}}:released"
 
+    def _next(self, key: str) -> str:
+        return f"distlocks:{{{key}}}:next"
+
+    def _queue(self, key: str) -> str:
+        return f"distlocks:{{{key}}}:queue"
+
     @staticmethod
     def _ms(ttl: float) -> int:
         return max(1, round(ttl * 1000))
 
     def try_acquire(self, key: str, owner: Owner, ttl: float) -> int | None:
-        token, _ = self._call("acquire", [self._hash(key), self._fence(key)], [owner.secret, self._ms(ttl), str(owner)])
-        return int(token) or None
+        keys = [self._hash(key), self._fence(key), self._next(key), self._queue(key)]
+        queued = "1" if key in self._waiting else "0"
+        token, wait_ms = self._call("acquire", keys, [owner.secret, self._ms(ttl), str(owner), queued])
+        if token:
+            return int(token)
+        self._wait_hint[key] = int(wait_ms) / 1000 if int(wait_ms) >= 0 else 1.0
+        return None
 
     def reenter(self, key: str, owner: Owner, ttl: float) -> bool:
         return bool(self._call("reenter", [self._hash(key)], [owner.secret, self._ms(ttl)]))
 
     def release(self, key: str, owner: Owner) -> bool:
-        return int(self._call("release", [self._hash(key), self._channel(key)], [owner.secret])) >= 0
+        keys = [self._hash(key), self._channel(key), self._next(key), self._queue(key)]
+        return int(self._call("release", keys, [owner.secret, HANDOFF_MS])) >= 0
 
     def extend(self, key: str, owner: Owner, ttl: float) -> bool:
         return bool(self._call("extend", [self._hash(key)], [owner.secret, self._ms(ttl)]))
@@ -248,29 +305,35 @@ class RedisBackend(BaseLockBackend):
             return releases
 
     def wait(self, key: str, attempt: int, remaining: float | None) -> None:
-        """Sleep until the lock's release is published or its lease runs out, at most ``remaining``."""
+        """Sleep until the lock's release is published or its lease runs out, at most ``remaining``.
+
+        The first call subscribes to the release channel and returns at once:
+        only now can no release be missed, so the caller looks again, and that
+        attempt queues the waiter if it fails. A release hands the lock to the first waiter in the queue
+        for ``HANDOFF_MS``, so that the releaser cannot take it straight back
+        and no waiter starves.
+        """
+        waiting = self._waiting.get(key)
+        if waiting is None:
+            released, subscribed = self._releases().subscribe(self._channel(key), current_owner().secret)
+            self._waiting[key] = released
+            subscribed.wait(1.0 if remaining is None else min(remaining, 1.0))
+            return
+        timeout = self._wait_hint.get(key, 1.0)
+        waiting.wait(timeout if remaining is None else min(timeout, remaining))
+        waiting.clear()
+
+    def end_wait(self, key: str, acquired: bool) -> None:
+        self._wait_hint.pop(key, None)
+        if self._waiting.pop(key, None) is None:
+            return
         from redis.exceptions import RedisError
 
-        releases = self._releases()
-        channel = self._channel(key)
-        released, subscribed = releases.subscribe(channel)
-        try:
-            # Only once subscribed can no release be missed: then look again.
-            subscribed.wait(1.0 if remaining is None else min(remaining, 1.0))
-            try:
-                lease_ms = int(self.client.pttl(self._hash(key)))
-            except RedisError as exc:
-                raise BackendUnavailable(f"Redis for locks on {self.alias!r} is unavailable: {exc}") from exc
-            if lease_ms == -2:
-                return  # free already
-            # Wake at the latest when the lease runs out (a holder that died), or
-            # once a second if the key has no expiry.
-            timeout = lease_ms / 1000 if lease_ms >= 0 else 1.0
-            if remaining is not None:
-                timeout = min(timeout, remaining)
-            released.wait(timeout)
-        finally:
-            releases.unsubscribe(channel, released)
+        secret = current_owner().secret
+        self._releases().unsubscribe(self._channel(key), secret)
+        if not acquired:  # acquiring took it off the queue already
+            with contextlib.suppress(RedisError):
+                self.client.zrem(self._queue(key), secret)
 
     # -- inspection and maintenance --------------------------------------------
 

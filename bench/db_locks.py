@@ -1,6 +1,6 @@
 """Benchmark the database backend against django-db-mutex and each server's own lock.
 
-    .venv/bin/python bench/db.py [--cycles 300] [--rounds 5] [--seconds 5]
+    .venv/bin/python bench/db_locks.py [--cycles 300] [--rounds 5] [--seconds 5]
 
 Side by side in one run, on SQLite, MariaDB and PostgreSQL:
 - uncontended: the latency of one acquire + release (median and p90 of every

@@ -1,0 +1,189 @@
+"""Benchmark the Redis backend against redis-py's Lock, python-redis-lock, pottery and the floor.
+
+    .venv/bin/python bench/redis_locks.py [--url redis://127.0.0.1:6379/15] [--cycles 1000] [--rounds 5] [--seconds 5]
+
+Side by side in one run, on one Redis server:
+- uncontended: the latency of one acquire + release (median and p90 of every
+  cycle, rounds interleaved so that noise hits every contender alike);
+- contended: 4 processes looping on one lock for ``--seconds``, each doing a
+  read-modify-write of a shared counter file inside: total cycles/s, the median
+  and the worst wait for the lock, and lost updates.
+The floor is a bare ``SET NX PX`` plus an ``EVALSHA`` compare-and-delete: not
+reentrant, not fenced, not renewed. Its contended run polls every millisecond.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ["DJANGO_SETTINGS_MODULE"] = "tests.settings"
+
+IMPLS = ["floor", "redis-py Lock", "python-redis-lock", "pottery Redlock", "distlocks"]
+PROCESSES = 4
+COMPARE_AND_DELETE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+def setup(url: str) -> None:
+    import django
+    from django.conf import settings
+
+    django.setup()
+    settings.CACHES["bench"] = {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": url}
+    settings.DISTLOCKS = {"bench": {"BACKEND": "distlocks.backends.redis.RedisBackend", "OPTIONS": {"CACHE": "bench"}}}
+
+
+def cycle_of(impl: str, name: str) -> tuple[Callable[[], object], Callable[[], object]]:
+    """Return blocking (acquire, release) for ``impl`` on the lock ``name``."""
+    from django_redis import get_redis_connection
+
+    import distlocks
+
+    client = get_redis_connection("bench")
+    if impl == "floor":
+        cad = client.register_script(COMPARE_AND_DELETE)
+        token = secrets.token_hex(16)
+
+        def floor_acquire() -> None:
+            while not client.set(name, token, nx=True, px=30000):
+                time.sleep(0.001)
+
+        return floor_acquire, lambda: cad(keys=[name], args=[token])
+    if impl == "redis-py Lock":
+        lock = client.lock(name, timeout=30)
+        return lock.acquire, lock.release
+    if impl == "python-redis-lock":
+        import redis_lock
+
+        plock = redis_lock.Lock(client, name, expire=30)
+        return plock.acquire, plock.release
+    if impl == "pottery Redlock":
+        from pottery import Redlock
+
+        redlock = Redlock(key=name, masters={client}, auto_release_time=30)
+        return redlock.acquire, redlock.release
+    dlock = distlocks.lock(name, using="bench", ttl=30)
+    return dlock.acquire, dlock.release
+
+
+def uncontended(impl: str, cycles: int) -> list[float]:
+    acquire, release = cycle_of(impl, f"bench-{uuid.uuid4().hex}")
+    samples = []
+    for _ in range(cycles):
+        started = time.perf_counter()
+        acquire()
+        release()
+        samples.append(time.perf_counter() - started)
+    return samples
+
+
+def worker(impl: str, name: str, seconds: float, counter: str) -> None:
+    """One of the contending processes: print its cycles and waits as JSON."""
+    acquire, release = cycle_of(impl, name)
+    path = Path(counter)
+    waits = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        started = time.monotonic()
+        acquire()
+        waits.append(time.monotonic() - started)
+        scratch = path.with_name(f"{path.name}.{os.getpid()}")
+        scratch.write_text(str(int(path.read_text()) + 1))
+        os.replace(scratch, path)  # whole numbers only: overlaps show as lost updates
+        release()
+    print(json.dumps({"waits": waits}))
+
+
+def contended(impl: str, url: str, seconds: float, tmp: Path) -> dict[str, float]:
+    counter = tmp / f"counter-{uuid.uuid4().hex}"
+    counter.write_text("0")
+    name = f"bench-{uuid.uuid4().hex}"
+    command = [sys.executable, __file__, "--url", url, "--worker", impl, name, str(seconds), str(counter)]
+    processes = [subprocess.Popen(command, stdout=subprocess.PIPE, text=True) for _ in range(PROCESSES)]
+    waits = [w for p in processes for w in json.loads(p.communicate()[0].splitlines()[-1])["waits"]]
+    return {
+        "per_second": len(waits) / seconds,
+        "median_wait_ms": statistics.median(waits) * 1000,
+        "worst_wait_ms": max(waits) * 1000,
+        "lost_updates": len(waits) - int(counter.read_text()),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", default="redis://127.0.0.1:6379/15", help="the Redis to measure on")
+    parser.add_argument("--cycles", type=int, default=1000, help="acquire+release cycles per round")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per contender")
+    parser.add_argument("--seconds", type=float, default=5, help="length of each contended run")
+    parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    setup(args.url)
+    if args.worker:
+        impl, name, seconds, counter = args.worker
+        worker(impl, name, float(seconds), counter)
+        return
+
+    from rich.console import Console
+    from rich.table import Table
+
+    samples: dict[str, list[float]] = {impl: [] for impl in IMPLS}
+    for _ in range(args.rounds):
+        for impl in IMPLS:
+            samples[impl] += uncontended(impl, args.cycles)
+    tmp = ROOT / ".bench"
+    tmp.mkdir(exist_ok=True)
+    busy = {impl: contended(impl, args.url, args.seconds, tmp) for impl in IMPLS}
+
+    floor = statistics.median(samples["floor"])
+    table = Table(
+        title=f"Redis locks on {args.url}: {args.rounds}x{args.cycles} uncontended cycles, "
+        f"{PROCESSES} processes x {args.seconds}s contended"
+    )
+    columns = [
+        "lock",
+        "median µs",
+        "p90 µs",
+        "x floor",
+        "contended/s",
+        "median wait ms",
+        "worst wait ms",
+        "lost updates",
+    ]
+    for column in columns:
+        table.add_column(column, justify="left" if column == "lock" else "right")
+    results = []
+    for impl in IMPLS:
+        values = sorted(samples[impl])
+        median = statistics.median(values)
+        run = busy[impl]
+        results.append({"lock": impl, "median_us": median * 1e6, "x_floor": median / floor, **run})
+        table.add_row(
+            impl,
+            f"{median * 1e6:.0f}",
+            f"{values[int(len(values) * 0.9)] * 1e6:.0f}",
+            f"{median / floor:.2f}",
+            f"{run['per_second']:.0f}",
+            f"{run['median_wait_ms']:.2f}",
+            f"{run['worst_wait_ms']:.1f}",
+            str(run["lost_updates"]),
+        )
+    Console(width=160).print(table)
+    (tmp / "redis.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
