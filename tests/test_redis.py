@@ -152,3 +152,29 @@ def _take(name):
         except distlocks.BackendUnavailable:
             time.sleep(0.1)
     return None
+
+
+def test_waiters_get_the_lock_first_come_first_served(name):
+    holder = distlocks.lock(name, using="redis")
+    holder.acquire()
+    order = []
+
+    def wait_then_hold(label):
+        with distlocks.lock(name, using="redis", wait=10):
+            order.append(label)
+            time.sleep(0.01)
+
+    threads = []
+    for label in "ABCD":
+        thread = threading.Thread(target=wait_then_hold, args=(label,))
+        thread.start()
+        threads.append(thread)
+        time.sleep(0.1)  # queued in this order
+    holder.release()
+    # The releaser asks again at once: the first waiter has waited long enough
+    # to have the lock handed to it, so the releaser waits its turn.
+    holder.acquire(wait=10)
+    holder.release()
+    for thread in threads:
+        thread.join(10)
+    assert order == ["A", "B", "C", "D"]

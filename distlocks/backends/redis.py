@@ -83,19 +83,23 @@ return 1
 """
 
 # KEYS[1] the lock hash, KEYS[2] its release channel, KEYS[3] the next owner, KEYS[4] the waiters' queue
-# ARGV[1] the owner's secret, ARGV[2] how long the first waiter has the lock to itself, in ms
+# ARGV[1] the owner's secret, ARGV[2] how long a starving waiter has the lock to itself, in ms,
+# ARGV[3] how long a waiter waits before it is starving, in ms
 # return the holds left (0: released, and the first waiter's secret published), -1 if the owner does not hold it
 RELEASE = """
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return -1 end
 local left = redis.call('HINCRBY', KEYS[1], 'count', -1)
 if left > 0 then return left end
 redis.call('DEL', KEYS[1])
-local first = redis.call('ZRANGE', KEYS[4], 0, 0)[1]
-if first then
-  redis.call('ZREM', KEYS[4], first)
-  redis.call('SET', KEYS[3], first, 'PX', ARGV[2])
+local first = redis.call('ZRANGE', KEYS[4], 0, 0, 'WITHSCORES')
+if first[1] then
+  local now = redis.call('TIME')
+  if now[1] * 1000 + math.floor(now[2] / 1000) - tonumber(first[2]) >= tonumber(ARGV[3]) then
+    redis.call('ZREM', KEYS[4], first[1])
+    redis.call('SET', KEYS[3], first[1], 'PX', ARGV[2])
+  end
 end
-redis.call('PUBLISH', KEYS[2], first or '')
+redis.call('PUBLISH', KEYS[2], first[1] or '')
 return 0
 """
 
@@ -115,7 +119,10 @@ return 1
 """
 
 
-# How long a released lock is reserved for the first waiter in the queue.
+# A waiter queued for STARVING_MS gets the next release to itself for up to
+# HANDOFF_MS: before that, whoever asks first gets it (usually the releaser,
+# which is cheaper than waking another process), after it nobody can barge.
+STARVING_MS = 4
 HANDOFF_MS = 50
 # How long a channel stays subscribed after its last waiter left, in seconds.
 IDLE_SUBSCRIPTION = 10.0
@@ -291,7 +298,7 @@ class RedisBackend(BaseLockBackend):
 
     def release(self, key: str, owner: Owner) -> bool:
         keys = [self._hash(key), self._channel(key), self._next(key), self._queue(key)]
-        return int(self._call("release", keys, [owner.secret, HANDOFF_MS])) >= 0
+        return int(self._call("release", keys, [owner.secret, HANDOFF_MS, STARVING_MS])) >= 0
 
     def extend(self, key: str, owner: Owner, ttl: float) -> bool:
         return bool(self._call("extend", [self._hash(key)], [owner.secret, self._ms(ttl)]))
@@ -309,9 +316,9 @@ class RedisBackend(BaseLockBackend):
 
         The first call subscribes to the release channel and returns at once:
         only now can no release be missed, so the caller looks again, and that
-        attempt queues the waiter if it fails. A release hands the lock to the first waiter in the queue
-        for ``HANDOFF_MS``, so that the releaser cannot take it straight back
-        and no waiter starves.
+        attempt queues the waiter if it fails. A release wakes the first waiter
+        in the queue; once it has waited ``STARVING_MS`` the release is handed to
+        it for up to ``HANDOFF_MS``, so that nobody barges in and no waiter starves.
         """
         waiting = self._waiting.get(key)
         if waiting is None:
