@@ -13,24 +13,25 @@ from django.db import connections
 
 import distlocks
 from distlocks.backends.db import close_connections
-from tests.servers import REDIS_PORT, RedisServer, answers
+from tests.servers import REDIS_PORT, REDLOCK_PORTS, RedisServer, answers
 
 ROOT = Path(__file__).resolve().parent.parent
 DB_ALIASES = ["default", "mariadb", "postgresql"]
-ALIASES = [*DB_ALIASES, "redis"]
+ALIASES = [*DB_ALIASES, "redis", "redlock"]
 # Mark modules that use the database: every test runs on its own committed data.
 DB = pytest.mark.django_db(transaction=True, databases=DB_ALIASES)
 
 
 @pytest.fixture(scope="session", autouse=True)
-def redis_server():
-    """The tests' Redis, on its own loopback port (left alone if one answers there)."""
-    if answers(REDIS_PORT):
-        yield None
-        return
-    server = RedisServer(REDIS_PORT).start()
-    yield server
-    server.stop()
+def redis_servers():
+    """The tests' Redis servers on loopback ports of their own: one, and five Redlock nodes."""
+    taken = [port for port in [REDIS_PORT, *REDLOCK_PORTS] if answers(port)]
+    assert not taken, f"something already answers on port(s) {taken}: stop it, or set DISTLOCKS_TEST_REDIS_PORT"
+    main = RedisServer(REDIS_PORT).start()
+    nodes = [RedisServer(port).start() for port in REDLOCK_PORTS]
+    yield nodes
+    for server in [main, *nodes]:
+        server.stop()
 
 
 @pytest.fixture(params=ALIASES)

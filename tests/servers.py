@@ -10,6 +10,8 @@ import time
 import redis
 
 REDIS_PORT = int(os.environ.get("DISTLOCKS_TEST_REDIS_PORT", "16379"))
+# The Redlock nodes: five independent servers on the next ports.
+REDLOCK_PORTS = [REDIS_PORT + 1 + i for i in range(5)]
 
 
 def redis_url(port: int = REDIS_PORT) -> str:

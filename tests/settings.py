@@ -7,7 +7,7 @@ import os
 
 from demo_shop.settings import *  # noqa: F403
 from demo_shop.settings import BASE_DIR, database
-from tests.servers import redis_url
+from tests.servers import REDLOCK_PORTS, redis_url
 
 # Test databases of this run's own, so that two runs on one machine do not collide.
 RUN = os.environ.setdefault("DISTLOCKS_TEST_RUN", str(os.getpid()))
@@ -35,6 +35,14 @@ CACHES = {
     },
     # Nothing listens there: for BackendUnavailable.
     "redis_down": {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": "redis://127.0.0.1:1/0"},
+    **{
+        f"r{i}": {
+            "BACKEND": "django_redis.cache.RedisCache",
+            "LOCATION": redis_url(port),
+            "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 0.5, "SOCKET_TIMEOUT": 1},
+        }
+        for i, port in enumerate(REDLOCK_PORTS, 1)
+    },
 }
 
 DB_BACKEND = "distlocks.backends.db.DatabaseBackend"
@@ -43,6 +51,10 @@ DISTLOCKS = {
     "mariadb": {"BACKEND": DB_BACKEND, "OPTIONS": {"DATABASE": "mariadb"}},
     "postgresql": {"BACKEND": DB_BACKEND, "OPTIONS": {"DATABASE": "postgresql"}},
     "redis": {"BACKEND": "distlocks.backends.redis.RedisBackend", "OPTIONS": {"CACHE": "redis"}},
+    "redlock": {
+        "BACKEND": "distlocks.backends.redlock.RedlockBackend",
+        "OPTIONS": {"CACHES": [f"r{i}" for i in range(1, len(REDLOCK_PORTS) + 1)]},
+    },
 }
 
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]

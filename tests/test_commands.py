@@ -53,7 +53,8 @@ def test_cleanup_covers_every_alias_by_default():
         "postgresql: deleted 0 expired locks",
     ]
     assert re.fullmatch(r"redis: deleted \d+ unused fencing counters", lines[3])
-    assert len(lines) == 4
+    assert re.fullmatch(r"redlock: deleted \d+ unused fencing counters", lines[4])
+    assert len(lines) == 5
 
 
 def test_cleanup_of_redis_keeps_tokens_growing(name):
@@ -74,7 +75,7 @@ def test_cleanup_unknown_alias():
 def test_oversell_on_sqlite(tmp_path):
     out = StringIO()
     path = tmp_path / "out.json"
-    strategies = "none,local,atomic_sql,select_for_update,optimistic,lock:default,lock:redis"
+    strategies = "none,local,atomic_sql,select_for_update,optimistic,lock:default,lock:redis,lock:redlock"
     call_command(
         "oversell", "--strategies", strategies, "--stock", "20", "--buyers", "40", "--json", str(path), stdout=out
     )
@@ -83,7 +84,7 @@ def test_oversell_on_sqlite(tmp_path):
     assert "Oversell race on SQLite" in out.getvalue()
     for unsafe in ("none", "local"):
         assert results[unsafe]["oversold"] > 0 or results[unsafe]["lost_updates"] > 0
-    for safe in ("atomic_sql", "select_for_update", "optimistic", "lock:default", "lock:redis"):
+    for safe in ("atomic_sql", "select_for_update", "optimistic", "lock:default", "lock:redis", "lock:redlock"):
         row = results[safe]
         assert (row["orders"], row["final_stock"], row["oversold"], row["lost_updates"]) == (20, 0, 0, 0), row
     for row in results.values():

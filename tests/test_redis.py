@@ -12,7 +12,7 @@ import distlocks
 from distlocks.handler import locks
 
 from .conftest import DB
-from .servers import RedisServer, answers
+from .servers import REDIS_PORT, RedisServer, answers
 
 pytestmark = DB
 
@@ -104,7 +104,7 @@ def test_unreachable_redis(settings):
 
 def test_a_restart_without_persistence_forgets_the_lock(settings, name):
     # A server of this test's own: restarting it must not disturb the others.
-    port = 16399
+    port = REDIS_PORT + 20
     assert not answers(port)
     server = RedisServer(port).start()
     try:
