@@ -10,6 +10,8 @@ Side by side in one run, on one Redis server:
   and the worst wait for the lock, and lost updates.
 The floor is a bare ``SET NX PX`` plus an ``EVALSHA`` compare-and-delete: not
 reentrant, not fenced, not renewed. Its contended run polls every millisecond.
+The "x5" rows run Redlock over five Redis servers that the script starts on
+loopback ports 16390-16394 and stops afterwards.
 """
 
 from __future__ import annotations
@@ -25,12 +27,22 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ["DJANGO_SETTINGS_MODULE"] = "tests.settings"
 
-IMPLS = ["floor", "redis-py Lock", "python-redis-lock", "pottery Redlock", "distlocks"]
+IMPLS = [
+    "floor",
+    "redis-py Lock",
+    "python-redis-lock",
+    "pottery Redlock",
+    "distlocks",
+    "pottery Redlock x5",
+    "distlocks Redlock x5",
+]
+NODE_PORTS = [16390 + i for i in range(5)]  # the bench's own Redlock nodes
 PROCESSES = 4
 COMPARE_AND_DELETE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
@@ -44,7 +56,18 @@ def setup(url: str) -> None:
 
     django.setup()
     settings.CACHES["bench"] = {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": url}
-    settings.DISTLOCKS = {"bench": {"BACKEND": "distlocks.backends.redis.RedisBackend", "OPTIONS": {"CACHE": "bench"}}}
+    for i, port in enumerate(NODE_PORTS):
+        settings.CACHES[f"node{i}"] = {
+            "BACKEND": "django_redis.cache.RedisCache",
+            "LOCATION": f"redis://127.0.0.1:{port}/0",
+        }
+    settings.DISTLOCKS = {
+        "bench": {"BACKEND": "distlocks.backends.redis.RedisBackend", "OPTIONS": {"CACHE": "bench"}},
+        "bench-redlock": {
+            "BACKEND": "distlocks.backends.redlock.RedlockBackend",
+            "OPTIONS": {"CACHES": [f"node{i}" for i in range(len(NODE_PORTS))]},
+        },
+    }
 
 
 def cycle_of(impl: str, name: str) -> tuple[Callable[[], object], Callable[[], object]]:
@@ -71,12 +94,13 @@ def cycle_of(impl: str, name: str) -> tuple[Callable[[], object], Callable[[], o
 
         plock = redis_lock.Lock(client, name, expire=30)
         return plock.acquire, plock.release
-    if impl == "pottery Redlock":
+    if impl.startswith("pottery Redlock"):
         from pottery import Redlock
 
-        redlock = Redlock(key=name, masters={client}, auto_release_time=30)
+        masters = {get_redis_connection(f"node{i}") for i in range(len(NODE_PORTS))} if "x5" in impl else {client}
+        redlock = Redlock(key=name, masters=masters, auto_release_time=30)
         return redlock.acquire, redlock.release
-    dlock = distlocks.lock(name, using="bench", ttl=30)
+    dlock = distlocks.lock(name, using="bench-redlock" if "x5" in impl else "bench", ttl=30)
     return dlock.acquire, dlock.release
 
 
@@ -140,6 +164,17 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from tests.servers import RedisServer
+
+    nodes = [RedisServer(port).start() for port in NODE_PORTS]
+    try:
+        run(args, Console, Table)
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+def run(args: argparse.Namespace, Console: Any, Table: Any) -> None:  # noqa: N803
     samples: dict[str, list[float]] = {impl: [] for impl in IMPLS}
     for _ in range(args.rounds):
         for impl in IMPLS:
@@ -149,6 +184,7 @@ def main() -> None:
     busy = {impl: contended(impl, args.url, args.seconds, tmp) for impl in IMPLS}
 
     floor = statistics.median(samples["floor"])
+    single = statistics.median(samples["distlocks"])
     table = Table(
         title=f"Redis locks on {args.url}: {args.rounds}x{args.cycles} uncontended cycles, "
         f"{PROCESSES} processes x {args.seconds}s contended"
@@ -158,6 +194,7 @@ def main() -> None:
         "median µs",
         "p90 µs",
         "x floor",
+        "x distlocks",
         "contended/s",
         "median wait ms",
         "worst wait ms",
@@ -169,17 +206,18 @@ def main() -> None:
     for impl in IMPLS:
         values = sorted(samples[impl])
         median = statistics.median(values)
-        run = busy[impl]
-        results.append({"lock": impl, "median_us": median * 1e6, "x_floor": median / floor, **run})
+        measured = busy[impl]
+        results.append({"lock": impl, "median_us": median * 1e6, "x_floor": median / floor, **measured})
         table.add_row(
             impl,
             f"{median * 1e6:.0f}",
             f"{values[int(len(values) * 0.9)] * 1e6:.0f}",
             f"{median / floor:.2f}",
-            f"{run['per_second']:.0f}",
-            f"{run['median_wait_ms']:.2f}",
-            f"{run['worst_wait_ms']:.1f}",
-            str(run["lost_updates"]),
+            f"{median / single:.2f}",
+            f"{measured['per_second']:.0f}",
+            f"{measured['median_wait_ms']:.2f}",
+            f"{measured['worst_wait_ms']:.1f}",
+            str(measured["lost_updates"]),
         )
     Console(width=160).print(table)
     (tmp / "redis.json").write_text(json.dumps(results, indent=2))
