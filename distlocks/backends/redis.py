@@ -153,8 +153,12 @@ class _Releases:
             self.waiters.setdefault(channel, {})[secret] = released
             self.idle_since.pop(channel, None)
             if channel not in self.ready:
+                try:
+                    self.pubsub.subscribe(channel)
+                except Exception:
+                    self.waiters[channel].pop(secret, None)
+                    raise
                 self.ready[channel] = threading.Event()
-                self.pubsub.subscribe(channel)
             if not self.started:
                 self.thread.start()
                 self.started = True
@@ -173,7 +177,8 @@ class _Releases:
                     del self.idle_since[idle]
                     del self.ready[idle]
                 if stale:
-                    self.pubsub.unsubscribe(*stale)
+                    with contextlib.suppress(Exception):  # a broken connection drops them anyway
+                        self.pubsub.unsubscribe(*stale)
 
     def _run(self) -> None:
         while True:
@@ -254,15 +259,21 @@ class RedisBackend(BaseLockBackend):
             client._distlocks_scripts = scripts
         return scripts
 
-    def _call(self, script: str, keys: list[str], args: list[Any]) -> Any:
+    @contextlib.contextmanager
+    def _reaching(self) -> Iterator[None]:
+        """Turn the driver's connection errors into BackendUnavailable."""
         from redis.exceptions import ConnectionError, TimeoutError
 
         try:
-            return self._scripts()[script](keys=keys, args=args)
+            yield
         except (ConnectionError, TimeoutError) as exc:
             raise BackendUnavailable(
                 f"Redis of cache {self.cache!r} for locks on {self.alias!r} is unavailable: {exc}", alias=self.alias
             ) from exc
+
+    def _call(self, script: str, keys: list[str], args: list[Any]) -> Any:
+        with self._reaching():
+            return self._scripts()[script](keys=keys, args=args)
 
     # Keys: the whole key is the hash tag, so all of one lock's keys share a slot.
     def _hash(self, key: str) -> str:
@@ -322,7 +333,8 @@ class RedisBackend(BaseLockBackend):
         """
         waiting = self._waiting.get(key)
         if waiting is None:
-            released, subscribed = self._releases().subscribe(self._channel(key), current_owner().secret)
+            with self._reaching():
+                released, subscribed = self._releases().subscribe(self._channel(key), current_owner().secret)
             self._waiting[key] = released
             subscribed.wait(1.0 if remaining is None else min(remaining, 1.0))
             return
@@ -345,6 +357,10 @@ class RedisBackend(BaseLockBackend):
     # -- inspection and maintenance --------------------------------------------
 
     def held(self) -> Iterator[LockInfo]:
+        with self._reaching():
+            yield from self._held()
+
+    def _held(self) -> Iterator[LockInfo]:
         client = self.client
         prefix = "distlocks:{"
         for raw in client.scan_iter(match="distlocks:{*}", count=500):
@@ -372,6 +388,10 @@ class RedisBackend(BaseLockBackend):
 
     def clear_expired(self, dry_run: bool = False) -> int:
         """Delete fencing counters of locks not held (tokens still grow: they restart from the clock)."""
+        with self._reaching():
+            return self._clear_unused_counters(dry_run)
+
+    def _clear_unused_counters(self, dry_run: bool) -> int:
         client = self.client
         stale = []
         for raw in client.scan_iter(match="distlocks:{*}:fence", count=500):
