@@ -175,7 +175,7 @@ class DistributedLock:
                 backend.wait(self.key, attempt, remaining)
                 attempt += 1
         finally:
-            if attempt:
+            if attempt or token is None:
                 backend.end_wait(self.key, acquired=token is not None)
 
         hold = Hold(type(self), self.alias, self.name, self.key, owner, token, self.ttl)

@@ -41,6 +41,14 @@ class Watchdog:
             if due < self._wake_at:
                 self._cond.notify()  # only when it must wake earlier than planned: notifying costs a thread switch
 
+    def renew_soon(self) -> None:
+        """Renew every hold now: a backend learnt that some may be gone (a lost session)."""
+        with self._cond:
+            now = time.monotonic()
+            for hold in self._due:
+                self._due[hold] = now
+            self._cond.notify()
+
     def unwatch(self, hold: Hold) -> None:
         with self._cond:
             self._due.pop(hold, None)

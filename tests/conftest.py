@@ -13,11 +13,13 @@ from django.db import connections
 
 import distlocks
 from distlocks.backends.db import close_connections
-from tests.servers import REDIS_PORT, REDLOCK_PORTS, RedisServer, answers
+from tests.servers import REDIS_PORT, REDLOCK_PORTS, ZK_PORT, RedisServer, ZooKeeperServer, answers, zk_answers
 
 ROOT = Path(__file__).resolve().parent.parent
 DB_ALIASES = ["default", "mariadb", "postgresql"]
-ALIASES = [*DB_ALIASES, "redis", "redlock"]
+ALIASES = [*DB_ALIASES, "redis", "redlock", "zookeeper"]
+# Backends whose locks are leases that run out after ttl (ZooKeeper's end with the session).
+LEASE_ALIASES = [alias for alias in ALIASES if alias != "zookeeper"]
 # Mark modules that use the database: every test runs on its own committed data.
 DB = pytest.mark.django_db(transaction=True, databases=DB_ALIASES)
 
@@ -32,6 +34,17 @@ def redis_servers():
     yield nodes
     for server in [main, *nodes]:
         server.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def zookeeper_server(tmp_path_factory):
+    """The tests' standalone ZooKeeper, on a loopback port of its own."""
+    assert not zk_answers(ZK_PORT), (
+        f"something already answers on port {ZK_PORT}: stop it, or set DISTLOCKS_TEST_ZK_PORT"
+    )
+    server = ZooKeeperServer(ZK_PORT, str(tmp_path_factory.mktemp("zookeeper"))).start()
+    yield server
+    server.stop()
 
 
 @pytest.fixture(params=ALIASES)

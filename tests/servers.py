@@ -52,3 +52,71 @@ class RedisServer:
     def restart(self) -> None:
         self.stop()
         self.start()
+
+
+ZK_PORT = int(os.environ.get("DISTLOCKS_TEST_ZK_PORT", "12181"))
+ZK_JAR = "/usr/share/java/zookeeper.jar"  # Debian's zookeeper package
+
+
+def zk_answers(port: int) -> bool:
+    import socket
+
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
+            sock.sendall(b"ruok")
+            return sock.recv(4) == b"imok"
+    except OSError:
+        return False
+
+
+class ZooKeeperServer:
+    """A ZooKeeper server on 127.0.0.1:``port`` (standalone, or one of an ensemble), stopped by pid."""
+
+    def __init__(self, port: int, directory: str, ensemble: list[tuple[int, int, int]] | None = None, myid: int = 1):
+        self.port = port
+        self.directory = directory
+        self.ensemble = ensemble or []
+        self.myid = myid
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self, wait: bool = True) -> ZooKeeperServer:
+        data = os.path.join(self.directory, "data")
+        os.makedirs(data, exist_ok=True)
+        lines = [
+            "tickTime=500",
+            "initLimit=20",
+            "syncLimit=10",
+            f"dataDir={data}",
+            f"clientPort={self.port}",
+            "clientPortAddress=127.0.0.1",
+            "admin.enableServer=false",
+            "4lw.commands.whitelist=ruok,srvr,stat",
+            "minSessionTimeout=1000",
+            "maxSessionTimeout=60000",
+        ]
+        for myid, peer, election in self.ensemble:
+            lines.append(f"server.{myid}=127.0.0.1:{peer}:{election}")
+        if self.ensemble:
+            with open(os.path.join(data, "myid"), "w") as file:
+                file.write(str(self.myid))
+        config = os.path.join(self.directory, "zoo.cfg")
+        with open(config, "w") as file:
+            file.write("\n".join(lines) + "\n")
+        command = ["java", "-Xmx256m", "-cp", ZK_JAR, "org.apache.zookeeper.server.quorum.QuorumPeerMain", config]
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if wait:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not zk_answers(self.port):
+            if self.process is None or self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"ZooKeeper did not start on port {self.port}")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait(10)
+            self.process = None

@@ -7,7 +7,7 @@ import os
 
 from demo_shop.settings import *  # noqa: F403
 from demo_shop.settings import BASE_DIR, database
-from tests.servers import REDLOCK_PORTS, redis_url
+from tests.servers import REDLOCK_PORTS, ZK_PORT, redis_url
 
 # Test databases of this run's own, so that two runs on one machine do not collide.
 RUN = os.environ.setdefault("DISTLOCKS_TEST_RUN", str(os.getpid()))
@@ -54,6 +54,11 @@ DISTLOCKS = {
     "redlock": {
         "BACKEND": "distlocks.backends.redlock.RedlockBackend",
         "OPTIONS": {"CACHES": [f"r{i}" for i in range(1, len(REDLOCK_PORTS) + 1)]},
+    },
+    "zookeeper": {
+        "BACKEND": "distlocks.backends.zookeeper.ZooKeeperBackend",
+        "LOCATION": f"127.0.0.1:{ZK_PORT}",
+        "OPTIONS": {"ROOT": f"/distlocks-tests-{RUN}", "SESSION_TIMEOUT": 4, "CONNECT_TIMEOUT": 5},
     },
 }
 

@@ -54,7 +54,8 @@ def test_cleanup_covers_every_alias_by_default():
     ]
     assert re.fullmatch(r"redis: deleted \d+ unused fencing counters", lines[3])
     assert re.fullmatch(r"redlock: deleted \d+ unused fencing counters", lines[4])
-    assert len(lines) == 5
+    assert re.fullmatch(r"zookeeper: deleted \d+ empty lock nodes", lines[5])
+    assert len(lines) == 6
 
 
 def test_cleanup_of_redis_keeps_tokens_growing(name):

@@ -13,7 +13,7 @@ from distlocks.handler import locks
 from distlocks.owner import current_owner
 from distlocks.signals import lock_acquired, lock_lost, lock_released
 
-from .conftest import DB
+from .conftest import DB, LEASE_ALIASES
 
 pytestmark = DB
 
@@ -151,6 +151,7 @@ def test_release_by_non_owner(lock_factory):
     lk.release()
 
 
+@pytest.mark.parametrize("alias", LEASE_ALIASES, indirect=True)
 def test_expiry_and_takeover(lock_factory):
     old = lock_factory(ttl=0.5, renew=False)
     assert old.acquire(wait=0)
@@ -165,6 +166,7 @@ def test_expiry_and_takeover(lock_factory):
     assert info(old).token == new_token
 
 
+@pytest.mark.parametrize("alias", LEASE_ALIASES, indirect=True)
 def test_expired_lease_is_lost_even_if_nobody_took_it(lock_factory):
     lk = lock_factory(ttl=0.3, renew=False)
     lk.acquire()
@@ -174,6 +176,7 @@ def test_expired_lease_is_lost_even_if_nobody_took_it(lock_factory):
     assert info(lk) is None
 
 
+@pytest.mark.parametrize("alias", LEASE_ALIASES, indirect=True)
 def test_leaving_with_block_after_loss_raises_lock_lost(lock_factory):
     with pytest.raises(distlocks.LockLost), lock_factory(ttl=0.3, renew=False):
         time.sleep(0.5)
@@ -226,6 +229,7 @@ def test_sigkilled_holder_frees_the_lock_after_its_ttl(alias, name, workers):
     assert time.monotonic() - killed < 10
 
 
+@pytest.mark.parametrize("alias", LEASE_ALIASES, indirect=True)
 def test_fencing_tokens_strictly_increase(alias, name, lock_factory, workers):
     tokens = []
     lk = lock_factory()

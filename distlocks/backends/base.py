@@ -101,7 +101,7 @@ class BaseLockBackend:
         time.sleep(delay if remaining is None else min(delay, remaining))
 
     def end_wait(self, key: str, acquired: bool) -> None:
-        """Forget this thread's wait for ``key``: it ``acquired`` the lock, or gave up."""
+        """Forget this thread's attempt on ``key``: it ``acquired`` the lock, or gave up."""
 
     def held(self) -> Iterator[LockInfo]:
         """Yield the locks held right now (for the admin and the commands)."""

@@ -1,0 +1,128 @@
+"""What is particular to the ZooKeeper backend: sessions, order, reaping, unavailability."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from kazoo.client import KazooClient
+
+import distlocks
+from distlocks.backends.zookeeper import _sessions
+from distlocks.handler import locks
+from distlocks.signals import lock_lost
+
+from .conftest import DB
+
+pytestmark = DB
+
+
+def expire_session(alias="zookeeper"):
+    """Expire this process's ZooKeeper session, as a partition longer than its timeout would."""
+    import os
+
+    client = _sessions[os.getpid(), alias].client
+    session_id, password = client.client_id
+    twin = KazooClient(hosts=locks[alias].location, client_id=(session_id, password))
+    twin.start()
+    twin.stop()  # closing the twin's connection ends the shared session
+    twin.close()
+
+
+def test_an_expired_session_loses_the_lock_and_the_next_token_is_larger(name):
+    lost = []
+
+    def on_lost(sender, name, alias, token, **kwargs):
+        lost.append(token)
+
+    lock_lost.connect(on_lost)
+    try:
+        holder = distlocks.lock(name, using="zookeeper", ttl=3)
+        holder.acquire()
+        old = holder.token
+        expire_session()
+        deadline = time.monotonic() + 10
+        while not holder.lost and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert holder.lost
+        assert lost == [old]
+        taken = []
+        thread = threading.Thread(target=lambda: taken.append(_token(name)))
+        thread.start()
+        thread.join(30)
+        assert taken[0] > old
+        with pytest.raises(distlocks.LockLost):
+            holder.release()
+    finally:
+        lock_lost.disconnect(on_lost)
+
+
+def _token(name):
+    with distlocks.lock(name, using="zookeeper", wait=20) as lk:
+        return lk.token
+
+
+def test_waiters_get_the_lock_in_the_order_they_asked(name):
+    holder = distlocks.lock(name, using="zookeeper")
+    holder.acquire()
+    order = []
+
+    def wait_then_hold(label):
+        with distlocks.lock(name, using="zookeeper", wait=20):
+            order.append(label)
+
+    threads = []
+    for label in "ABCD":
+        thread = threading.Thread(target=wait_then_hold, args=(label,))
+        thread.start()
+        threads.append(thread)
+        time.sleep(0.2)
+    held = next(info for info in locks["zookeeper"].held() if info.name == holder.key)
+    assert held.waiters == 4
+    holder.release()
+    for thread in threads:
+        thread.join(20)
+    assert order == ["A", "B", "C", "D"]
+
+
+def test_a_failed_try_leaves_no_node_behind(name):
+    with distlocks.lock(name, using="zookeeper"):
+        result = []
+        thread = threading.Thread(target=lambda: result.append(distlocks.lock(name, using="zookeeper").acquire(wait=0)))
+        thread.start()
+        thread.join()
+        assert result == [False]
+        held = next(info for info in locks["zookeeper"].held() if info.name == name)
+        assert held.waiters == 0
+
+
+def test_empty_lock_nodes_are_reaped_but_not_held_ones(name):
+    backend = locks["zookeeper"]
+    for i in range(3):
+        with distlocks.lock(f"{name}-{i}", using="zookeeper"):
+            pass
+    with distlocks.lock(f"{name}-held", using="zookeeper") as held:
+        assert backend.clear_expired(dry_run=True) >= 3
+        assert backend.clear_expired() >= 3
+        assert backend.clear_expired() == 0
+        names = {info.name for info in backend.held()}
+        assert held.key in names
+        token = held.token
+    # A name whose node was reaped works again, with a larger token.
+    with distlocks.lock(f"{name}-0", using="zookeeper") as again:
+        assert again.token > token
+
+
+def test_unreachable_ensemble(settings):
+    settings.DISTLOCKS = {
+        "down": {
+            "BACKEND": "distlocks.backends.zookeeper.ZooKeeperBackend",
+            "LOCATION": "127.0.0.1:1,127.0.0.1:2",
+            "OPTIONS": {"CONNECT_TIMEOUT": 2},
+        }
+    }
+    started = time.monotonic()
+    with pytest.raises(distlocks.BackendUnavailable, match="ZooKeeper '127.0.0.1:1,127.0.0.1:2' for locks on 'down'"):
+        distlocks.lock("x", using="down").acquire()
+    assert time.monotonic() - started < 10
