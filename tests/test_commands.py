@@ -76,7 +76,9 @@ def test_cleanup_unknown_alias():
 def test_oversell_on_sqlite(tmp_path):
     out = StringIO()
     path = tmp_path / "out.json"
-    strategies = "none,local,atomic_sql,select_for_update,optimistic,lock:default,lock:redis,lock:redlock"
+    strategies = (
+        "none,local,atomic_sql,select_for_update,optimistic,lock:default,lock:redis,lock:redlock,lock:zookeeper"
+    )
     call_command(
         "oversell", "--strategies", strategies, "--stock", "20", "--buyers", "40", "--json", str(path), stdout=out
     )
@@ -85,7 +87,8 @@ def test_oversell_on_sqlite(tmp_path):
     assert "Oversell race on SQLite" in out.getvalue()
     for unsafe in ("none", "local"):
         assert results[unsafe]["oversold"] > 0 or results[unsafe]["lost_updates"] > 0
-    for safe in ("atomic_sql", "select_for_update", "optimistic", "lock:default", "lock:redis", "lock:redlock"):
+    safe_ones = ["atomic_sql", "select_for_update", "optimistic", "lock:default", "lock:redis", "lock:redlock"]
+    for safe in [*safe_ones, "lock:zookeeper"]:
         row = results[safe]
         assert (row["orders"], row["final_stock"], row["oversold"], row["lost_updates"]) == (20, 0, 0, 0), row
     for row in results.values():
