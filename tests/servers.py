@@ -120,3 +120,20 @@ class ZooKeeperServer:
             self.process.kill()
             self.process.wait(10)
             self.process = None
+
+    def mode(self) -> str:
+        """'leader', 'follower' or 'standalone' (ZooKeeper's srvr command), or '' if it does not answer."""
+        import socket
+
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as sock:
+                sock.sendall(b"srvr")
+                reply = b""
+                while chunk := sock.recv(4096):
+                    reply += chunk
+        except OSError:
+            return ""
+        for line in reply.decode(errors="replace").splitlines():
+            if line.startswith("Mode:"):
+                return line.split(":", 1)[1].strip()
+        return ""

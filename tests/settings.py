@@ -62,5 +62,13 @@ DISTLOCKS = {
     },
 }
 
+# The 3-node ensemble of tests/test_zookeeper_ensemble.py, for its worker processes.
+if ENSEMBLE := os.environ.get("DISTLOCKS_TEST_ZK_ENSEMBLE"):
+    DISTLOCKS["zk_ensemble"] = {
+        "BACKEND": "distlocks.backends.zookeeper.ZooKeeperBackend",
+        "LOCATION": ENSEMBLE,
+        "OPTIONS": {"ROOT": f"/distlocks-tests-{RUN}", "SESSION_TIMEOUT": 4, "CONNECT_TIMEOUT": 5},
+    }
+
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 DEMO_WORK_SECONDS = 0.01

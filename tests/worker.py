@@ -49,6 +49,34 @@ def counter(alias: str, name: str, path: str, rounds: str, processes: str, locke
     say("done")
 
 
+def guarded(alias: str, name: str, seconds: str, log: str) -> None:
+    """Enter and leave a critical section under the lock for ``seconds``, logging each.
+
+    Errors (an ensemble without quorum) are logged and retried: the parent
+    checks that no two processes were ever inside at once.
+    """
+    lock = distlocks.lock(name, using=alias, ttl=2, wait=5)
+    deadline = time.monotonic() + float(seconds)
+    with open(log, "a") as events:
+
+        def note(event: str) -> None:
+            events.write(f"{event} {os.getpid()} {time.monotonic():.3f}\n")
+            events.flush()
+
+        while time.monotonic() < deadline:
+            try:
+                if not lock.acquire():
+                    continue
+                note("enter")
+                time.sleep(0.005)
+                note("exit")
+                lock.release()
+            except distlocks.LockError as exc:
+                note(f"error:{type(exc).__name__}")
+                time.sleep(0.2)
+    say("done")
+
+
 def hold(alias: str, name: str, ttl: str) -> None:
     """Take the lock and keep it until killed."""
     lock = distlocks.lock(name, using=alias, ttl=float(ttl), wait=60)
@@ -69,4 +97,4 @@ def take(alias: str, name: str, wait: str) -> None:
 
 if __name__ == "__main__":
     scenario, *arguments = sys.argv[1:]
-    {"counter": counter, "hold": hold, "take": take}[scenario](*arguments)
+    {"counter": counter, "guarded": guarded, "hold": hold, "take": take}[scenario](*arguments)

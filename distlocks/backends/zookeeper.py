@@ -55,6 +55,7 @@ class _Session:
         from kazoo.protocol.states import KazooState
 
         self.lost_state = KazooState.LOST
+        self.connected_state = KazooState.CONNECTED
         self.client = KazooClient(
             hosts=backend.location,
             timeout=backend.session_timeout,
@@ -66,6 +67,10 @@ class _Session:
         self.started = False
         # (key, owner secret) -> [node path, hold count]
         self.held: dict[tuple[str, str], list[Any]] = {}
+        # Nodes of ours that a broken connection kept us from deleting, as
+        # (lock node, name prefix): deleted when the connection is back, or they
+        # would block the lock for as long as the session lives.
+        self.orphans: set[tuple[str, str]] = set()
         self.client.add_listener(self._on_state)
 
     def _on_state(self, state: Any) -> None:
@@ -73,9 +78,27 @@ class _Session:
             # The session and its ephemeral nodes are gone: every hold is lost.
             with self.lock:
                 self.held.clear()
+                self.orphans.clear()
             from distlocks.watchdog import watchdog
 
             watchdog().renew_soon()
+        elif state == self.connected_state and self.orphans:
+            self.client.handler.spawn(self.delete_orphans)  # a listener must not block
+
+    def delete_orphans(self) -> None:
+        from kazoo.exceptions import KazooException
+
+        with self.lock:
+            orphans = list(self.orphans)
+        for parent, prefix in orphans:
+            try:
+                for child in self.client.get_children(parent):
+                    if child.startswith(prefix):
+                        self.client.delete(f"{parent}/{child}")
+                with self.lock:
+                    self.orphans.discard((parent, prefix))
+            except KazooException:
+                continue  # the next reconnection tries again
 
 
 _sessions: dict[tuple[int, str], _Session] = {}
@@ -182,17 +205,14 @@ class ZooKeeperBackend(BaseLockBackend):
         session = self._session()
         node = self._queued.get(key)
         if node is None:
-            node = self._request(
-                "create",
-                f"{self._parent(key)}/{PREFIX}",
-                str(owner).encode(),
-                ephemeral=True,
-                sequence=True,
-                makepath=True,
-            )
+            node = self._create(key, owner)
             self._queued[key] = node
         children = _in_order(self._request("get_children", self._parent(key)))
-        if not children or f"{self._parent(key)}/{children[0]}" != node:
+        if node.rsplit("/", 1)[1] not in children:
+            # Gone with a lost session: queue again, at the back.
+            node = self._queued[key] = self._create(key, owner)
+            children = _in_order(self._request("get_children", self._parent(key)))
+        if f"{self._parent(key)}/{children[0]}" != node:
             return None  # queued: wait() watches the node just below ours
         del self._queued[key]
         stat = self._request("exists", node)
@@ -223,6 +243,9 @@ class ZooKeeperBackend(BaseLockBackend):
                 )
             )
         except BackendUnavailable:
+            session = self._session()
+            with session.lock:
+                session.orphans.add((self._parent(key), mark))
             with contextlib.suppress(BackendUnavailable, NoNodeError):
                 for child in self._request("get_children", self._parent(key)):
                     if child.startswith(mark):
@@ -236,6 +259,8 @@ class ZooKeeperBackend(BaseLockBackend):
             return
         children = _in_order(self._request("get_children", self._parent(key)))
         mine = node.rsplit("/", 1)[1]
+        if mine not in children:
+            return  # gone with a lost session: the next attempt queues again
         below = [child for child in children if _sequence(child) < _sequence(mine)]
         if not below:
             return
@@ -250,8 +275,12 @@ class ZooKeeperBackend(BaseLockBackend):
         if node is not None and not acquired:
             from kazoo.exceptions import NoNodeError
 
-            with contextlib.suppress(NoNodeError, BackendUnavailable):  # gone with its session
+            try:
                 self._request("delete", node)
+            except NoNodeError:
+                pass  # gone with its session
+            except BackendUnavailable:
+                self._orphan(node)
 
     def reenter(self, key: str, owner: Owner, ttl: float) -> bool:
         session = self._session()
@@ -289,7 +318,19 @@ class ZooKeeperBackend(BaseLockBackend):
             self._request("delete", entry[0])
         except NoNodeError:
             return False  # its session expired, or it was force-released
+        except BackendUnavailable:
+            self._orphan(entry[0])  # else it holds the lock for as long as the session lives
+            raise
         return True
+
+    def _orphan(self, node: str) -> None:
+        """Delete ``node`` as soon as the connection allows."""
+        session = self._session()
+        parent, name = node.rsplit("/", 1)
+        with session.lock:
+            session.orphans.add((parent, name))
+        if session.client.connected:
+            session.client.handler.spawn(session.delete_orphans)
 
     def extend(self, key: str, owner: Owner, ttl: float) -> bool:
         session = self._session()

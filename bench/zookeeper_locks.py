@@ -1,0 +1,225 @@
+"""Benchmark the ZooKeeper backend against kazoo's Lock recipe and the floor.
+
+    .venv/bin/python bench/zookeeper_locks.py [--cycles 300] [--rounds 5] [--seconds 5]
+
+Side by side in one run, on a standalone ZooKeeper that the script starts on
+127.0.0.1:12281 (and stops afterwards):
+- uncontended: the latency of one acquire + release (median and p90 of every
+  cycle, rounds interleaved);
+- contended: 4 processes looping on one lock for ``--seconds``, each doing a
+  read-modify-write of a shared counter file inside: total cycles/s, the
+  median and worst wait, lost updates, and whether the lock went round in
+  FIFO order (the share of hand-overs that went to the process that had
+  waited longest).
+The floor is a bare create + delete of an ephemeral sequential node: 2 requests,
+no waiting, no ordering.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ["DJANGO_SETTINGS_MODULE"] = "tests.settings"
+
+IMPLS = ["floor", "kazoo Lock", "distlocks"]
+PROCESSES = 4
+PORT = 12281
+
+
+def setup() -> None:
+    import django
+    from django.conf import settings
+
+    django.setup()
+    settings.DISTLOCKS = {
+        "bench": {
+            "BACKEND": "distlocks.backends.zookeeper.ZooKeeperBackend",
+            "LOCATION": f"127.0.0.1:{PORT}",
+            "OPTIONS": {"ROOT": "/distlocks-bench"},
+        }
+    }
+
+
+_client: Any = None
+
+
+def client() -> Any:
+    global _client
+    if _client is None:
+        from kazoo.client import KazooClient
+
+        _client = KazooClient(hosts=f"127.0.0.1:{PORT}")
+        _client.start()
+    return _client
+
+
+def cycle_of(impl: str, name: str) -> tuple[Callable[[], object], Callable[[], object]]:
+    """Return blocking (acquire, release) for ``impl`` on the lock ``name``."""
+    import distlocks
+
+    if impl == "floor":
+        zk = client()
+        zk.ensure_path(f"/floor/{name}")
+        node: list[str] = []
+
+        def floor_acquire() -> None:
+            node.append(zk.create(f"/floor/{name}/lock-", ephemeral=True, sequence=True))
+
+        return floor_acquire, lambda: zk.delete(node.pop())
+    if impl == "kazoo Lock":
+        lock = client().Lock(f"/kazoo/{name}")
+        return lock.acquire, lock.release
+    dlock = distlocks.lock(name, using="bench", ttl=30)
+    return dlock.acquire, dlock.release
+
+
+def uncontended(impl: str, cycles: int) -> list[float]:
+    acquire, release = cycle_of(impl, f"bench-{uuid.uuid4().hex}")
+    samples = []
+    for _ in range(cycles):
+        started = time.perf_counter()
+        acquire()
+        release()
+        samples.append(time.perf_counter() - started)
+    return samples
+
+
+def worker(impl: str, name: str, seconds: float, counter: str, log: str) -> None:
+    """One contending process: print its waits as JSON; log when it asked and when it got the lock."""
+    acquire, release = cycle_of(impl, name)
+    path = Path(counter)
+    waits = []
+    deadline = time.monotonic() + seconds
+    with open(log, "a") as events:
+        while time.monotonic() < deadline:
+            started = time.monotonic()
+            events.write(f"ask {os.getpid()}\n")
+            events.flush()
+            acquire()
+            events.write(f"got {os.getpid()}\n")
+            events.flush()
+            waits.append(time.monotonic() - started)
+            scratch = path.with_name(f"{path.name}.{os.getpid()}")
+            scratch.write_text(str(int(path.read_text()) + 1))
+            os.replace(scratch, path)  # whole numbers only: overlaps show as lost updates
+            release()
+    print(json.dumps({"waits": waits}))
+
+
+def fifo_share(log: Path) -> float:
+    """The share of grants that went to the process that had asked first among those waiting."""
+    waiting: list[str] = []
+    fair = total = 0
+    for line in log.read_text().splitlines():
+        event, pid = line.split()
+        if event == "ask":
+            waiting.append(pid)
+        elif pid in waiting:
+            total += 1
+            fair += waiting[0] == pid
+            waiting.remove(pid)
+    return fair / total if total else 1.0
+
+
+def contended(impl: str, seconds: float, tmp: Path) -> dict[str, float]:
+    counter = tmp / f"counter-{uuid.uuid4().hex}"
+    counter.write_text("0")
+    log = tmp / f"log-{uuid.uuid4().hex}"
+    name = f"bench-{uuid.uuid4().hex}"
+    command = [sys.executable, __file__, "--worker", impl, name, str(seconds), str(counter), str(log)]
+    processes = [subprocess.Popen(command, stdout=subprocess.PIPE, text=True) for _ in range(PROCESSES)]
+    waits = [w for p in processes for w in json.loads(p.communicate()[0].splitlines()[-1])["waits"]]
+    return {
+        "per_second": len(waits) / seconds,
+        "median_wait_ms": statistics.median(waits) * 1000,
+        "worst_wait_ms": max(waits) * 1000,
+        "lost_updates": len(waits) - int(counter.read_text()),
+        "fifo": fifo_share(log),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cycles", type=int, default=300, help="acquire+release cycles per round")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per contender")
+    parser.add_argument("--seconds", type=float, default=5, help="length of each contended run")
+    parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    setup()
+    if args.worker:
+        impl, name, seconds, counter, log = args.worker
+        worker(impl, name, float(seconds), counter, log)
+        return
+
+    from tests.servers import ZooKeeperServer
+
+    with tempfile.TemporaryDirectory() as directory:
+        server = ZooKeeperServer(PORT, directory).start()
+        try:
+            run(args, Path(directory))
+        finally:
+            server.stop()
+
+
+def run(args: argparse.Namespace, tmp: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    samples: dict[str, list[float]] = {impl: [] for impl in IMPLS}
+    for _ in range(args.rounds):
+        for impl in IMPLS:
+            samples[impl] += uncontended(impl, args.cycles)
+    # The floor takes no turns: it has no contended run.
+    busy = {impl: contended(impl, args.seconds, tmp) for impl in IMPLS if impl != "floor"}
+    floor = statistics.median(samples["floor"])
+    kazoo = statistics.median(samples["kazoo Lock"])
+    table = Table(
+        title=f"ZooKeeper locks: {args.rounds}x{args.cycles} uncontended cycles, {PROCESSES} processes x {args.seconds}s contended"
+    )
+    columns = ["lock", "median µs", "p90 µs", "x floor", "x kazoo", "contended/s", "median wait ms", "worst wait ms"]
+    for column in [*columns, "FIFO", "lost updates"]:
+        table.add_column(column, justify="left" if column == "lock" else "right")
+    results = []
+    for impl in IMPLS:
+        values = sorted(samples[impl])
+        median = statistics.median(values)
+        measured = busy.get(impl)
+        results.append({"lock": impl, "median_us": median * 1e6, **(measured or {})})
+        busy_cells = ["-"] * 5
+        if measured:
+            busy_cells = [
+                f"{measured['per_second']:.0f}",
+                f"{measured['median_wait_ms']:.2f}",
+                f"{measured['worst_wait_ms']:.1f}",
+                f"{measured['fifo']:.0%}",
+                str(measured["lost_updates"]),
+            ]
+        table.add_row(
+            impl,
+            f"{median * 1e6:.0f}",
+            f"{values[int(len(values) * 0.9)] * 1e6:.0f}",
+            f"{median / floor:.2f}",
+            f"{median / kazoo:.2f}",
+            *busy_cells,
+        )
+    Console(width=160).print(table)
+    out = ROOT / ".bench"
+    out.mkdir(exist_ok=True)
+    (out / "zookeeper.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

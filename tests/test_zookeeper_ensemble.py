@@ -1,0 +1,80 @@
+"""ZooKeeper as users run it: a 3-node ensemble, with a follower and then the leader stopped."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from .conftest import DB, ZK_PORT
+from .servers import ZooKeeperServer, zk_answers
+
+pytestmark = DB
+
+# Client, peer and election ports of the three servers, away from the standalone one.
+SERVERS = [(i, ZK_PORT + 10 + i, ZK_PORT + 20 + i, ZK_PORT + 30 + i) for i in (1, 2, 3)]
+CONNECT = ",".join(f"127.0.0.1:{client}" for _, client, _, _ in SERVERS)
+
+
+@pytest.fixture(scope="module")
+def ensemble(tmp_path_factory):
+    peers = [(myid, peer, election) for myid, _, peer, election in SERVERS]
+    servers = [
+        ZooKeeperServer(client, str(tmp_path_factory.mktemp(f"zk{myid}")), ensemble=peers, myid=myid)
+        for myid, client, _, _ in SERVERS
+    ]
+    for server in servers:
+        assert not zk_answers(server.port), f"port {server.port} is taken"
+        server.start(wait=False)
+    for server in servers:
+        server.wait_ready()
+    wait_for_quorum(servers)
+    yield servers
+    for server in servers:
+        server.stop()
+
+
+def wait_for_quorum(servers, timeout=60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        modes = [server.mode() for server in servers if server.process is not None]
+        if "leader" in modes and modes.count("follower") >= 1:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"no quorum: {[server.mode() for server in servers]}")
+
+
+def test_never_two_holders_while_a_follower_then_the_leader_stop(ensemble, workers, tmp_path, name, monkeypatch):
+    monkeypatch.setenv("DISTLOCKS_TEST_ZK_ENSEMBLE", CONNECT)
+    log = tmp_path / "events"
+    log.touch()
+    running = [workers("guarded", "zk_ensemble", name, 24, log) for _ in range(3)]
+    time.sleep(4)
+    follower = next(server for server in ensemble if server.mode() == "follower")
+    follower.stop()
+    stopped_follower = time.monotonic()
+    time.sleep(4)
+    leader = next(server for server in ensemble if server.mode() == "leader")
+    leader.stop()
+    stopped_leader = time.monotonic()
+    time.sleep(4)
+    follower.start(wait=False)
+    leader.start(wait=False)
+    restarted = time.monotonic()
+    for worker in running:
+        assert worker.finish(timeout=120) == ["done"]
+    events = [line.split() for line in log.read_text().splitlines()]
+    entered = [(float(at), pid) for event, pid, at in events if event == "enter"]
+    # Mutual exclusion: each enter is followed by the same process's exit.
+    inside = None
+    for event, pid, _ in events:
+        if event == "enter":
+            assert inside is None, f"{pid} entered while {inside} was inside"
+            inside = pid
+        elif event == "exit":
+            assert inside == pid
+            inside = None
+    # The lock worked with a follower down, and again after the restart.
+    assert any(stopped_follower < at < stopped_leader for at, _ in entered)
+    assert any(at > restarted for at, _ in entered)
+    assert len({pid for _, pid in entered}) == 3
