@@ -138,7 +138,7 @@ class ZooKeeperBackend(BaseLockBackend):
             raise ImproperlyConfigured(f"DISTLOCKS[{alias!r}]['OPTIONS']: {exc}") from exc
         self.auth: list[tuple[str, str]] = [(scheme, credential) for scheme, credential in self.options.get("AUTH", [])]
         # This thread's pending waits: key -> our node path while we queue.
-        self._queued: dict[str, str] = {}
+        self._queued: dict[str, tuple[str, int]] = {}  # key -> (our node, its czxid)
 
     # -- the shared session ------------------------------------------------------
 
@@ -203,26 +203,22 @@ class ZooKeeperBackend(BaseLockBackend):
 
     def try_acquire(self, key: str, owner: Owner, ttl: float) -> int | None:
         session = self._session()
-        node = self._queued.get(key)
-        if node is None:
-            node = self._create(key, owner)
-            self._queued[key] = node
+        if key not in self._queued:
+            self._queued[key] = self._create(key, owner)
+        node, token = self._queued[key]
         children = _in_order(self._request("get_children", self._parent(key)))
         if node.rsplit("/", 1)[1] not in children:
             # Gone with a lost session: queue again, at the back.
-            node = self._queued[key] = self._create(key, owner)
+            node, token = self._queued[key] = self._create(key, owner)
             children = _in_order(self._request("get_children", self._parent(key)))
         if f"{self._parent(key)}/{children[0]}" != node:
             return None  # queued: wait() watches the node just below ours
         del self._queued[key]
-        stat = self._request("exists", node)
-        if stat is None:
-            return None
         with session.lock:
             session.held[key, owner.secret] = [node, 1]
-        return int(stat.czxid)
+        return token
 
-    def _create(self, key: str, owner: Owner) -> str:
+    def _create(self, key: str, owner: Owner) -> tuple[str, int]:
         """Create our node, finding it again if the connection broke while creating it.
 
         The node's name carries a random id (as kazoo's recipe does), so that a
@@ -232,16 +228,17 @@ class ZooKeeperBackend(BaseLockBackend):
 
         mark = f"{PREFIX}{uuid.uuid4().hex}-"
         try:
-            return str(
-                self._request(
-                    "create",
-                    f"{self._parent(key)}/{mark}",
-                    f"{owner}|1".encode(),
-                    ephemeral=True,
-                    sequence=True,
-                    makepath=True,
-                )
+            # The create's own answer carries the node's zxid: no extra request for the token.
+            path, stat = self._request(
+                "create",
+                f"{self._parent(key)}/{mark}",
+                f"{owner}|1".encode(),
+                ephemeral=True,
+                sequence=True,
+                makepath=True,
+                include_data=True,
             )
+            return str(path), int(stat.czxid)
         except BackendUnavailable:
             session = self._session()
             with session.lock:
@@ -254,9 +251,10 @@ class ZooKeeperBackend(BaseLockBackend):
 
     def wait(self, key: str, attempt: int, remaining: float | None) -> None:
         """Wait for the deletion of the node just below ours (at most ``remaining`` seconds)."""
-        node = self._queued.get(key)
-        if node is None:
+        queued = self._queued.get(key)
+        if queued is None:
             return
+        node = queued[0]
         children = _in_order(self._request("get_children", self._parent(key)))
         mine = node.rsplit("/", 1)[1]
         if mine not in children:
@@ -271,8 +269,9 @@ class ZooKeeperBackend(BaseLockBackend):
         gone.wait(1.0 if remaining is None else min(remaining, 1.0))
 
     def end_wait(self, key: str, acquired: bool) -> None:
-        node = self._queued.pop(key, None)
-        if node is not None and not acquired:
+        queued = self._queued.pop(key, None)
+        if queued is not None and not acquired:
+            node = queued[0]
             from kazoo.exceptions import NoNodeError
 
             try:
