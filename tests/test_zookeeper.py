@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+from django.core.exceptions import ImproperlyConfigured
 from kazoo.client import KazooClient
 
 import distlocks
@@ -126,3 +127,22 @@ def test_unreachable_ensemble(settings):
     with pytest.raises(distlocks.BackendUnavailable, match="ZooKeeper '127.0.0.1:1,127.0.0.1:2' for locks on 'down'"):
         distlocks.lock("x", using="down").acquire()
     assert time.monotonic() - started < 10
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ({}, "needs LOCATION"),
+        ({"LOCATION": "127.0.0.1:2181", "OPTIONS": {"ROOT": "locks"}}, "'ROOT'\\] must start with '/'"),
+        ({"LOCATION": "127.0.0.1:2181", "OPTIONS": {"SESSION_TIMEOUT": 0}}, "SESSION_TIMEOUT must be"),
+        ({"LOCATION": "127.0.0.1:2181", "OPTIONS": {"CONNECT_TIMEOUT": "5"}}, "CONNECT_TIMEOUT must be"),
+    ],
+)
+def test_bad_settings(settings, entry, message):
+    settings.DISTLOCKS = {"zk": {"BACKEND": "distlocks.backends.zookeeper.ZooKeeperBackend", **entry}}
+    with pytest.raises(ImproperlyConfigured, match=message):
+        distlocks.lock("x", using="zk")
+
+
+def test_a_forked_child_gets_a_client_of_its_own(workers, name):
+    assert workers("fork", "zookeeper", name).finish() == ["child", "0"]

@@ -77,6 +77,27 @@ def guarded(alias: str, name: str, seconds: str, log: str) -> None:
     say("done")
 
 
+def fork(alias: str, name: str) -> None:
+    """Hold a lock, fork (as gunicorn and Celery prefork do), and lock again in the child."""
+    import warnings
+
+    lock = distlocks.lock(name, using=alias, wait=0)
+    lock.acquire()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork() with threads running
+        child = os.fork()
+    if child == 0:
+        # The child holds nothing, and gets a client of its own.
+        ok = lock.hold_count == 0 and not lock.acquire(wait=0)
+        other = distlocks.lock(f"{name}-child", using=alias, wait=5)
+        ok = ok and other.acquire()
+        other.release()
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(child, 0)
+    lock.release()
+    say("child", os.waitstatus_to_exitcode(status))
+
+
 def hold(alias: str, name: str, ttl: str) -> None:
     """Take the lock and keep it until killed."""
     lock = distlocks.lock(name, using=alias, ttl=float(ttl), wait=60)
@@ -97,4 +118,4 @@ def take(alias: str, name: str, wait: str) -> None:
 
 if __name__ == "__main__":
     scenario, *arguments = sys.argv[1:]
-    {"counter": counter, "guarded": guarded, "hold": hold, "take": take}[scenario](*arguments)
+    {"counter": counter, "fork": fork, "guarded": guarded, "hold": hold, "take": take}[scenario](*arguments)
