@@ -15,7 +15,6 @@ retries after 1 ms when the lock is taken.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -36,6 +35,7 @@ import django  # noqa: E402
 
 django.setup()
 
+from common import arguments, bump, time_cycles  # noqa: E402  (bench/ is on sys.path)
 from django.core.management import call_command  # noqa: E402
 from django.db import DatabaseError, connections  # noqa: E402
 
@@ -110,14 +110,7 @@ def uncontended(impl: str, alias: str, cycles: int) -> list[float]:
     pair = cycle_of(impl, alias, f"bench-{uuid.uuid4().hex}")
     if pair is None:
         return []
-    acquire, release = pair
-    samples = []
-    for _ in range(cycles):
-        started = time.perf_counter()
-        assert acquire()
-        release()
-        samples.append(time.perf_counter() - started)
-    return samples
+    return time_cycles(*pair, cycles)
 
 
 def worker(impl: str, alias: str, name: str, seconds: float, counter: str) -> None:
@@ -139,9 +132,7 @@ def worker(impl: str, alias: str, name: str, seconds: float, counter: str) -> No
             errors.append(str(exc)[:80])  # e.g. an InnoDB deadlock (1213) surfaced to the caller
             continue
         worst = max(worst, time.monotonic() - started)
-        scratch = path.with_name(f"{path.name}.{os.getpid()}")
-        scratch.write_text(str(int(path.read_text()) + 1))
-        os.replace(scratch, path)  # whole numbers only: overlaps show as lost updates
+        bump(path)
         try:
             release()
         except DatabaseError as exc:
@@ -180,12 +171,7 @@ def prepare() -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cycles", type=int, default=300, help="acquire+release cycles per round")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per contender")
-    parser.add_argument("--seconds", type=float, default=5, help="length of each contended run")
-    parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = arguments(__doc__, 5)
     if args.worker:
         impl, alias, name, seconds, counter = args.worker
         worker(impl, alias, name, float(seconds), counter)

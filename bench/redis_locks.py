@@ -29,7 +29,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from common import arguments, bump, time_cycles  # noqa: E402  (bench/ is on sys.path)
+
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 os.environ["DJANGO_SETTINGS_MODULE"] = "tests.settings"
 
@@ -105,14 +108,7 @@ def cycle_of(impl: str, name: str) -> tuple[Callable[[], object], Callable[[], o
 
 
 def uncontended(impl: str, cycles: int) -> list[float]:
-    acquire, release = cycle_of(impl, f"bench-{uuid.uuid4().hex}")
-    samples = []
-    for _ in range(cycles):
-        started = time.perf_counter()
-        acquire()
-        release()
-        samples.append(time.perf_counter() - started)
-    return samples
+    return time_cycles(*cycle_of(impl, f"bench-{uuid.uuid4().hex}"), cycles)
 
 
 def worker(impl: str, name: str, seconds: float, counter: str) -> None:
@@ -125,9 +121,7 @@ def worker(impl: str, name: str, seconds: float, counter: str) -> None:
         started = time.monotonic()
         acquire()
         waits.append(time.monotonic() - started)
-        scratch = path.with_name(f"{path.name}.{os.getpid()}")
-        scratch.write_text(str(int(path.read_text()) + 1))
-        os.replace(scratch, path)  # whole numbers only: overlaps show as lost updates
+        bump(path)
         release()
     print(json.dumps({"waits": waits}))
 
@@ -149,13 +143,7 @@ def contended(impl: str, url: str, seconds: float, tmp: Path) -> dict[str, float
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--url", default="redis://127.0.0.1:6379/15", help="the Redis to measure on")
-    parser.add_argument("--cycles", type=int, default=1000, help="acquire+release cycles per round")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per contender")
-    parser.add_argument("--seconds", type=float, default=5, help="length of each contended run")
-    parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = arguments(__doc__, 4, cycles=1000)
     setup(args.url)
     if args.worker:
         impl, name, seconds, counter = args.worker

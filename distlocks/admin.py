@@ -30,20 +30,8 @@ class ExpiredFilter(admin.SimpleListFilter):
 
 @admin.register(Lock)
 class LockAdmin(admin.ModelAdmin):
-    list_display = [
-        "lock_name",
-        "owner_host",
-        "owner_pid",
-        "owner_thread",
-        "hold_count",
-        "id",
-        "acquired_at",
-        "expires_at",
-    ]
-    list_filter = [ExpiredFilter]
-    search_fields = ["lock_name", "owner_host"]
     # owner_secret is never shown: whoever holds it can release the lock.
-    fields = readonly_fields = (
+    list_display = fields = readonly_fields = (
         "lock_name",
         "owner_host",
         "owner_pid",
@@ -53,6 +41,8 @@ class LockAdmin(admin.ModelAdmin):
         "acquired_at",
         "expires_at",
     )
+    list_filter = [ExpiredFilter]
+    search_fields = ["lock_name", "owner_host"]
     ordering = ["lock_name"]
 
     def has_add_permission(self, request: HttpRequest) -> bool:
