@@ -145,6 +145,7 @@ class _Releases:
         self.idle_since: dict[str, float] = {}
         self.thread = threading.Thread(target=self._run, name="distlocks-redis-releases", daemon=True)
         self.started = False
+        self.broken = False
 
     def subscribe(self, channel: str, secret: str) -> tuple[threading.Event, threading.Event]:
         """Return (released, subscribed) events for the waiter ``secret`` on ``channel``."""
@@ -189,9 +190,12 @@ class _Releases:
                 response = self.pubsub.parse_response(block=True)
                 message = self.pubsub.handle_message(response) if response else None
             except Exception as exc:  # the connection broke: redis-py reconnects and resubscribes
-                logger.warning("Redis release channel: %s", exc)
+                if not self.broken:  # once per outage, not twice a second
+                    logger.warning("Redis release channel lost, reconnecting: %s", exc)
+                self.broken = True
                 time.sleep(0.5)
                 continue
+            self.broken = False
             if message is None:
                 continue
             channel, data = (v.decode() if isinstance(v, bytes) else v for v in (message["channel"], message["data"]))
