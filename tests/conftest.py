@@ -5,6 +5,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -134,3 +136,25 @@ def lock_factory(alias, name):
         while lk.hold_count:
             with contextlib.suppress(distlocks.LockError):
                 lk.release()
+
+
+def queue_waiters(name, alias, labels, *, gap, hold=0.0):
+    """Start one thread per label that waits for the lock, in this order, ``gap`` seconds apart.
+
+    Return (threads, order): each thread appends its label to ``order`` once it
+    holds the lock, then keeps it ``hold`` seconds.
+    """
+    order = []
+
+    def wait_then_hold(label):
+        with distlocks.lock(name, using=alias, wait=20):
+            order.append(label)
+            time.sleep(hold)
+
+    threads = []
+    for label in labels:
+        thread = threading.Thread(target=wait_then_hold, args=(label,))
+        thread.start()
+        threads.append(thread)
+        time.sleep(gap)
+    return threads, order

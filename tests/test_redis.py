@@ -11,7 +11,7 @@ from django_redis import get_redis_connection
 import distlocks
 from distlocks.handler import locks
 
-from .conftest import DB
+from .conftest import DB, queue_waiters
 from .servers import REDIS_PORT, RedisServer, answers
 
 pytestmark = DB
@@ -157,19 +157,7 @@ def _take(name):
 def test_waiters_get_the_lock_first_come_first_served(name):
     holder = distlocks.lock(name, using="redis")
     holder.acquire()
-    order = []
-
-    def wait_then_hold(label):
-        with distlocks.lock(name, using="redis", wait=10):
-            order.append(label)
-            time.sleep(0.01)
-
-    threads = []
-    for label in "ABCD":
-        thread = threading.Thread(target=wait_then_hold, args=(label,))
-        thread.start()
-        threads.append(thread)
-        time.sleep(0.1)  # queued in this order
+    threads, order = queue_waiters(name, "redis", "ABCD", gap=0.1, hold=0.01)
     holder.release()
     # The releaser asks again at once: the first waiter has waited long enough
     # to have the lock handed to it, so the releaser waits its turn.

@@ -14,7 +14,7 @@ from distlocks.backends.zookeeper import _sessions
 from distlocks.handler import locks
 from distlocks.signals import lock_lost
 
-from .conftest import DB
+from .conftest import DB, queue_waiters
 
 pytestmark = DB
 
@@ -67,18 +67,7 @@ def _token(name):
 def test_waiters_get_the_lock_in_the_order_they_asked(name):
     holder = distlocks.lock(name, using="zookeeper")
     holder.acquire()
-    order = []
-
-    def wait_then_hold(label):
-        with distlocks.lock(name, using="zookeeper", wait=20):
-            order.append(label)
-
-    threads = []
-    for label in "ABCD":
-        thread = threading.Thread(target=wait_then_hold, args=(label,))
-        thread.start()
-        threads.append(thread)
-        time.sleep(0.2)
+    threads, order = queue_waiters(name, "zookeeper", "ABCD", gap=0.2)
     held = next(info for info in locks["zookeeper"].held() if info.name == holder.key)
     assert held.waiters == 4
     holder.release()
