@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/lib.sh
-apt_ensure pkg-config libmariadb-dev mariadb-client postgresql-client redis-server zookeeper
+apt_ensure pkg-config libmariadb-dev mariadb-client postgresql-client redis-server zookeeper chromium docker-compose
 venv_install -r requirements.txt
 ensure_databases
 .venv/bin/ruff check .

@@ -1,0 +1,42 @@
+"""What the admin page and the ``distlocks_list`` / ``distlocks_release`` commands share."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from distlocks.backends.base import LockInfo
+from distlocks.exceptions import LockError
+from distlocks.handler import locks
+
+
+@dataclass
+class HeldLocks:
+    """The locks held right now, and the aliases that could not tell."""
+
+    locks: list[LockInfo] = field(default_factory=list)
+    #: alias -> why its locks are missing (server down, backend cannot list).
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+def held_locks(using: Iterable[str] | None = None) -> HeldLocks:
+    """Collect the held locks of the given aliases (default: every configured one).
+
+    One backend that is down or cannot list its locks does not hide the others:
+    its reason goes into ``errors``.
+    """
+    result = HeldLocks()
+    for alias in using if using is not None else list(locks):
+        try:
+            result.locks.extend(locks[alias].held())
+        except NotImplementedError:
+            result.errors[alias] = "this backend cannot list its locks"
+        except LockError as exc:
+            result.errors[alias] = str(exc)
+    result.locks.sort(key=lambda info: (info.alias, info.name))
+    return result
+
+
+def force_release(alias: str, key: str) -> bool:
+    """Free the lock stored as ``key`` (a ``LockInfo.name``) whoever holds it; False if it was not held."""
+    return locks[alias].force_release(key)
