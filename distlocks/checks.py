@@ -1,16 +1,26 @@
-"""System checks for the DISTLOCKS setting."""
+"""System checks for the DISTLOCKS setting, and whether each backend's server answers."""
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+import time
+from typing import TYPE_CHECKING, Any
 
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 
+from distlocks.exceptions import LockError
+
+if TYPE_CHECKING:
+    from distlocks.backends.base import BaseLockBackend
+
+#: How long the checks wait for the servers (all asked at once) before warning.
+PING_SECONDS = 3.0
+
 
 @checks.register("distlocks")
 def check_distlocks(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
-    """Report every misconfigured DISTLOCKS entry, then each backend's own findings."""
+    """Report every misconfigured DISTLOCKS entry and each backend's own findings, then ping the sound ones."""
     from distlocks.handler import LockHandler
 
     handler = LockHandler()
@@ -19,6 +29,7 @@ def check_distlocks(app_configs: Any = None, **kwargs: Any) -> list[checks.Check
     except ImproperlyConfigured as exc:
         return [checks.Error(str(exc), hint="See DISTLOCKS in the distlocks README.", id="distlocks.E001")]
     messages: list[checks.CheckMessage] = []
+    sound: list[BaseLockBackend] = []
     for alias in aliases:
         try:
             backend = handler.create_connection(alias)
@@ -31,5 +42,43 @@ def check_distlocks(app_configs: Any = None, **kwargs: Any) -> list[checks.Check
                 )
             )
             continue
-        messages.extend(backend.check())
-    return messages
+        found = backend.check()
+        messages.extend(found)
+        if not any(message.is_serious() for message in found):
+            sound.append(backend)
+    return messages + unanswered(sound)
+
+
+def unanswered(backends: list[BaseLockBackend], seconds: float = PING_SECONDS) -> list[checks.CheckMessage]:
+    """Warn about each backend whose server gives no answer within ``seconds`` (all pinged at once).
+
+    A warning, not an error: a server may come up after the project does, and
+    until then its locks raise BackendUnavailable.
+    """
+    failures: dict[str, str] = {}
+    answered: set[str] = set()
+
+    def ping(backend: BaseLockBackend) -> None:
+        try:
+            backend.ping()
+            answered.add(backend.alias)
+        except (LockError, ImproperlyConfigured) as exc:
+            failures[backend.alias] = str(exc)
+
+    threads = [threading.Thread(target=ping, args=(backend,), daemon=True) for backend in backends]
+    deadline = time.monotonic() + seconds
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return [
+        checks.Warning(
+            f"DISTLOCKS[{backend.alias!r}]: the server does not answer: "
+            f"{failures.get(backend.alias, f'no answer within {seconds:g} s')}",
+            hint=f"Is it running at {backend.address}? Until it answers, locks on {backend.alias!r} "
+            "raise BackendUnavailable.",
+            id="distlocks.W004",
+        )
+        for backend in backends
+        if backend.alias not in answered
+    ]

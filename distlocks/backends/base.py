@@ -7,7 +7,7 @@ import random
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from django.core.checks import CheckMessage
@@ -30,6 +30,26 @@ class LockInfo:
     acquired_at: datetime | None = None
     expires_at: datetime | None = None
     waiters: int | None = None
+
+    def lease_left(self, now: datetime | None = None) -> float | None:
+        """Seconds until the lease runs out (None: the backend has no lease, like ZooKeeper)."""
+        if self.expires_at is None:
+            return None
+        return max(0.0, (self.expires_at - (now or datetime.now(UTC))).total_seconds())
+
+    def as_dict(self, now: datetime | None = None) -> dict[str, Any]:
+        """The fields as JSON-ready values, with ``lease_left`` in seconds."""
+        return {
+            "alias": self.alias,
+            "name": self.name,
+            "owner": self.owner,
+            "hold_count": self.hold_count,
+            "token": self.token,
+            "acquired_at": self.acquired_at.isoformat() if self.acquired_at else None,
+            "expires_at": self.expires_at.isoformat() if self.expires_at else None,
+            "lease_left": self.lease_left(now),
+            "waiters": self.waiters,
+        }
 
 
 def check_positive_number(value: Any, what: str) -> float:
@@ -115,6 +135,14 @@ class BaseLockBackend:
         """Delete the state of expired locks; return how many (or would be, with ``dry_run``)."""
         raise NotImplementedError("subclasses of BaseLockBackend may provide a clear_expired() method")
 
+    @property
+    def address(self) -> str:
+        """Where the server is, for messages about reaching it."""
+        return self.location or self.alias
+
+    def ping(self) -> None:
+        """Ask the server for a trivial answer; raise BackendUnavailable if none comes (in bounded time)."""
+
     def check(self) -> list[CheckMessage]:
-        """Return system check messages about this backend's configuration."""
+        """Return system check messages about this backend's configuration (no I/O: see ``ping``)."""
         return []

@@ -338,6 +338,19 @@ class DatabaseBackend(BaseLockBackend):
 
         return self._run(attempt)
 
+    @property
+    def address(self) -> str:
+        database = connections.settings[self.database] if self.database in connections else {}
+        where = ":".join(str(part) for part in (database.get("HOST"), database.get("PORT")) if part)
+        return f"database {self.database!r} ({where + ' ' if where else ''}{database.get('NAME', '')})"
+
+    def ping(self) -> None:
+        def select_one(connection: BaseDatabaseWrapper) -> None:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT 1")
+
+        self._run(select_one)
+
     def check(self) -> list[checks.CheckMessage]:
         if self.database not in connections:
             return [

@@ -406,6 +406,16 @@ class RedisBackend(BaseLockBackend):
             client.delete(*stale)
         return len(stale)
 
+    @property
+    def address(self) -> str:
+        from django.conf import settings
+
+        return str(settings.CACHES.get(self.cache, {}).get("LOCATION", self.cache))
+
+    def ping(self) -> None:
+        with self._reaching():
+            self.client.ping()
+
     def check(self) -> list[checks.CheckMessage]:
         from django.conf import settings
 

@@ -135,6 +135,26 @@ class RedlockBackend(BaseLockBackend):
     def clear_expired(self, dry_run: bool = False) -> int:
         return sum(count or 0 for count in self._on_each(lambda node: node.clear_expired(dry_run)))
 
+    @property
+    def address(self) -> str:
+        return ", ".join(node.address for node in self.nodes)
+
+    def ping(self) -> None:
+        """Raise BackendUnavailable if any node does not answer: with a majority left it still works, degraded."""
+
+        def answers(node: RedisBackend) -> bool:
+            node.ping()
+            return True
+
+        answered = self._on_each(answers)
+        down = [node.address for node, answer in zip(self.nodes, answered, strict=True) if answer is None]
+        if down:
+            raise BackendUnavailable(
+                f"Redlock {self.alias!r}: {len(down)} of {len(self.nodes)} Redis nodes do not answer ({', '.join(down)}); "
+                f"{self.quorum} are needed to lock",
+                alias=self.alias,
+            )
+
     def check(self) -> list[checks.CheckMessage]:
         messages = [message for node in self.nodes for message in node.check()]
         if len(self.nodes) < 3:

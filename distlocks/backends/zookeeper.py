@@ -101,7 +101,8 @@ class _Session:
                 continue  # the next reconnection tries again
 
 
-_sessions: dict[tuple[int, str], _Session] = {}
+# One session per process, alias and ensemble (settings may change under tests).
+_sessions: dict[tuple[int, str, str], _Session] = {}
 
 
 def _sequence(child: str) -> str:
@@ -143,7 +144,7 @@ class ZooKeeperBackend(BaseLockBackend):
     # -- the shared session ------------------------------------------------------
 
     def _session(self) -> _Session:
-        index = (os.getpid(), self.alias)
+        index = (os.getpid(), self.alias, self.location)
         with _sessions_lock:
             session = _sessions.get(index)
             if session is None:
@@ -411,6 +412,9 @@ class ZooKeeperBackend(BaseLockBackend):
                 if type(exc).__name__ != "BadVersionError":
                     raise
         return reaped
+
+    def ping(self) -> None:
+        self._request("exists", self.root)
 
     def check(self) -> list[checks.CheckMessage]:
         try:
