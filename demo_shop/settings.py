@@ -3,7 +3,8 @@
 The database comes from the environment: ``DISTLOCKS_DB`` is ``sqlite`` (the
 default, no server needed), ``mariadb`` or ``postgresql``; ``DISTLOCKS_DB_NAME``
 overrides the database name. Server hosts, users and passwords come from the
-usual ``MYSQL_*`` / ``PG*`` variables.
+usual ``MYSQL_*`` / ``PG*`` variables; ``DEMO_ATOMIC_REQUESTS=1`` turns on
+``ATOMIC_REQUESTS``.
 """
 
 from __future__ import annotations
@@ -104,6 +105,8 @@ TEMPLATES = [
 ]
 
 DATABASES = {"default": database(os.environ.get("DISTLOCKS_DB", "sqlite"), os.environ.get("DISTLOCKS_DB_NAME"))}
+# DEMO_ATOMIC_REQUESTS=1: every view in a transaction; the lock:<alias> views still commit before releasing.
+DATABASES["default"]["ATOMIC_REQUESTS"] = os.environ.get("DEMO_ATOMIC_REQUESTS") == "1"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 DISTLOCKS: dict[str, dict[str, Any]] = {"default": {"BACKEND": "distlocks.backends.db.DatabaseBackend", "TTL": 30}}

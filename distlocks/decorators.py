@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
+from inspect import iscoroutinefunction
 from typing import Any
 
 from django.db import connections, transaction
@@ -15,7 +18,7 @@ from distlocks.backends.base import check_positive_number
 from distlocks.handler import DEFAULT_ALIAS
 from distlocks.lock import DistributedLock, check_wait
 
-View = Callable[..., HttpResponse]
+View = Callable[..., Any]  # a view: sync, or async returning an awaitable
 LockedHandler = Callable[[HttpRequest, DistributedLock], HttpResponse]
 
 
@@ -39,6 +42,9 @@ def distributed_lock(
 
     ``name`` is a format string over the view's keyword arguments
     (``"stock:{product_id}"``) or a callable taking ``request, *args, **kwargs``.
+    Works on sync and async views, and on class-based views through
+    ``method_decorator``. ``on_locked(request, lock)`` answers when the lock is
+    taken (default: ``locked_response``).
     The lock is taken before the view's transaction opens and released after it
     has committed or rolled back: with ``ATOMIC_REQUESTS = True`` this decorator
     opens those transactions itself, inside the lock, so another request can
@@ -49,13 +55,18 @@ def distributed_lock(
         check_positive_number(ttl, "ttl")
     check_wait(wait)
 
+    def make_lock(request: HttpRequest, args: tuple[Any, ...], kwargs: dict[str, Any]) -> DistributedLock:
+        lock_name = name(request, *args, **kwargs) if callable(name) else name.format(**kwargs)
+        return DistributedLock(lock_name, using=using, ttl=ttl, wait=wait, renew=renew)
+
     def decorator(view: View) -> View:
+        if iscoroutinefunction(view):
+            return _async_wrapper(view, make_lock, on_locked)
         own_non_atomic: set[str] = set(getattr(view, "_non_atomic_requests", set()))
 
         @functools.wraps(view)
         def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
-            lock_name = name(request, *args, **kwargs) if callable(name) else name.format(**kwargs)
-            lock = DistributedLock(lock_name, using=using, ttl=ttl, wait=wait, renew=renew)
+            lock = make_lock(request, args, kwargs)
             if not lock.acquire():
                 return on_locked(request, lock)
             try:
@@ -72,3 +83,41 @@ def distributed_lock(
         return wrapper
 
     return decorator
+
+
+def _async_wrapper(
+    view: Callable[..., Awaitable[HttpResponse]],
+    make_lock: Callable[[HttpRequest, tuple[Any, ...], dict[str, Any]], DistributedLock],
+    on_locked: LockedHandler,
+) -> View:
+    """Hold the lock around an async view from a thread of the request's own.
+
+    A lock belongs to the thread that takes it; requests sharing the event loop
+    (or one ``sync_to_async`` thread) would otherwise re-enter each other's
+    lock. The thread waits, so the event loop never blocks, and it stays alive
+    while the view runs, so the watchdog keeps renewing. Django refuses
+    ``ATOMIC_REQUESTS`` for async views, so there is no transaction to order.
+    """
+
+    @functools.wraps(view)
+    async def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        lock = make_lock(request, args, kwargs)
+        loop = asyncio.get_running_loop()
+        holder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distlocks-view")
+        try:
+            if not await loop.run_in_executor(holder, lock.acquire):
+                return on_locked(request, lock)
+            return await view(request, *args, **kwargs)
+        finally:
+            # One thread runs its jobs in order: even when the request was
+            # cancelled while waiting, this release runs after that acquire.
+            releasing = loop.run_in_executor(holder, _release_if_held, lock)
+            holder.shutdown(wait=False)
+            await releasing
+
+    return wrapper
+
+
+def _release_if_held(lock: DistributedLock) -> None:
+    if lock.hold_count:
+        lock.release()

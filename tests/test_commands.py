@@ -17,6 +17,7 @@ import distlocks
 from distlocks.models import Lock
 
 from .conftest import DB, DB_ALIASES, ROOT, worker_env
+from .servers import redis_url
 
 pytestmark = DB
 
@@ -97,8 +98,8 @@ def test_oversell_on_sqlite(tmp_path):
         assert row["requests_per_second"] > 0
 
 
-def test_oversell_on_mariadb_from_the_shell(tmp_path):
-    # The demo's own settings on MariaDB, run as a user would: manage.py oversell.
+def oversell_on_mariadb(tmp_path, *arguments, **env):
+    """Run the demo's own settings on MariaDB as a user would, ``manage.py oversell``; return its rows."""
     path = tmp_path / "out.json"
     env = {
         **worker_env(),
@@ -106,12 +107,17 @@ def test_oversell_on_mariadb_from_the_shell(tmp_path):
         "DISTLOCKS_DB": "mariadb",
         "DISTLOCKS_DB_NAME": connections["mariadb"].settings_dict["NAME"],
         "DEMO_WORK_MS": "10",
+        **env,
     }
     command = [sys.executable, "manage.py", "oversell", "--stock", "20", "--buyers", "40", "--json", str(path)]
-    completed = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    completed = subprocess.run([*command, *arguments], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stderr
     assert "Oversell race on MariaDB" in completed.stdout
-    results = {row["strategy"]: row for row in json.loads(path.read_text())}
+    return {row["strategy"]: row for row in json.loads(path.read_text())}
+
+
+def test_oversell_on_mariadb_from_the_shell(tmp_path):
+    results = oversell_on_mariadb(tmp_path)
     assert list(results) == [
         "none",
         "local",
@@ -124,6 +130,21 @@ def test_oversell_on_mariadb_from_the_shell(tmp_path):
     for unsafe in ("none", "local", "pitfall:default"):
         assert results[unsafe]["oversold"] > 0 or results[unsafe]["lost_updates"] > 0, results[unsafe]
     for safe in ("atomic_sql", "select_for_update", "optimistic", "lock:default"):
+        row = results[safe]
+        assert (row["orders"], row["final_stock"], row["oversold"], row["lost_updates"]) == (20, 0, 0, 0), row
+
+
+def test_locked_views_commit_before_releasing_under_atomic_requests(tmp_path):
+    # Every view in a transaction: the decorator still releases only after the commit.
+    results = oversell_on_mariadb(
+        tmp_path,
+        "--strategies",
+        "none,lock:default,lock:redis",
+        DEMO_ATOMIC_REQUESTS="1",
+        DISTLOCKS_REDIS_URL=redis_url(),
+    )
+    assert results["none"]["oversold"] > 0 or results["none"]["lost_updates"] > 0, results["none"]
+    for safe in ("lock:default", "lock:redis"):
         row = results[safe]
         assert (row["orders"], row["final_stock"], row["oversold"], row["lost_updates"]) == (20, 0, 0, 0), row
 

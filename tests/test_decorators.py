@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import pytest
@@ -84,3 +85,94 @@ def test_bad_arguments_fail_at_decoration():
         distributed_lock("x", ttl=0)
     with pytest.raises(ValueError, match="wait must be"):
         distributed_lock("x", wait=-1)
+
+
+VIEWS = ["sync", "async", "class"]
+
+
+@pytest.fixture
+def views_urls(settings):
+    settings.ROOT_URLCONF = "tests.views"
+
+
+def ran(item):
+    return Stock.objects.filter(product_id=item).count()
+
+
+@pytest.mark.parametrize("kind", VIEWS)
+def test_views_through_the_test_client(views_urls, client, name, kind):
+    response = client.post(f"/{kind}/{name}/")
+    assert (response.status_code, response.content.decode()) == (200, kind)
+    assert ran(name) == 1
+    assert other_thread_acquires_on("redis", f"view:{name}")  # released after the response
+
+
+@pytest.mark.parametrize("kind", VIEWS)
+def test_a_lock_held_by_another_process_gives_423_and_the_view_does_not_run(views_urls, client, name, kind, workers):
+    holder = workers("hold", "redis", f"view:{name}", 30)
+    assert holder.line()[0] == "acquired"
+    response = client.post(f"/{kind}/{name}/")
+    assert response.status_code == 423
+    assert response["Retry-After"] == "1"
+    assert ran(name) == 0
+    holder.kill()
+
+
+def test_on_locked_answers_differently(views_urls, client, name):
+    with distlocks.lock(f"view:{name}", using="redis"):
+        response = other_thread(lambda: client.post(f"/custom/{name}/"))
+    assert (response.status_code, response.content) == (503, b"come back later")
+    assert ran(name) == 0
+
+
+def test_async_requests_in_one_event_loop_exclude_each_other(views_urls, async_client, name):
+    async def both():
+        # Both run in this one thread and event loop: still one at a time.
+        return await asyncio.gather(
+            async_client.post(f"/async/{name}/?sleep=0.5"), async_client.post(f"/async/{name}/")
+        )
+
+    first, second = asyncio.run(both())
+    assert sorted([first.status_code, second.status_code]) == [200, 423]
+    assert ran(name) == 1
+
+
+def test_an_async_request_waits_without_blocking_the_event_loop(views_urls, async_client, name):
+    with distlocks.lock(f"view:{name}", using="redis"):
+        ticks, response = asyncio.run(request_while_ticking(async_client, f"/async/{name}/"))
+    assert response.status_code == 423  # after waiting its 0.2 s...
+    assert ticks >= 5  # ...during which the event loop went on
+
+
+async def request_while_ticking(async_client, url):
+    ticks = 0
+
+    async def tick():
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    ticker = asyncio.ensure_future(tick())
+    response = await async_client.post(url)
+    ticker.cancel()
+    return ticks, response
+
+
+def other_thread(call):
+    result = []
+    thread = threading.Thread(target=lambda: result.append(call()))
+    thread.start()
+    thread.join()
+    return result[0]
+
+
+def other_thread_acquires_on(alias, lock_name):
+    def take():
+        lk = distlocks.lock(lock_name, using=alias)
+        if not lk.acquire(wait=0):
+            return False
+        lk.release()
+        return True
+
+    return other_thread(take)
