@@ -4,6 +4,6 @@ RUN apt-get update && apt-get install -y --no-install-recommends gcc pkg-config 
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /app
 COPY . .
-RUN pip install --no-cache-dir -e ".[demo,mysql,postgresql,redis]"
+RUN pip install --no-cache-dir -e ".[demo,mysql,postgresql,redis,zookeeper,celery]"
 ENV DJANGO_SETTINGS_MODULE=demo_shop.settings
 CMD ["sh", "-c", "python manage.py migrate --noinput && gunicorn demo_shop.wsgi:application --workers 4 --bind 0.0.0.0:8000"]

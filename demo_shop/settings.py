@@ -122,6 +122,14 @@ if REDIS_URL := os.environ.get("DISTLOCKS_REDIS_URL"):
     }
     DISTLOCKS["redis"] = {"BACKEND": "distlocks.backends.redis.RedisBackend", "OPTIONS": {"CACHE": "default"}}
 
+# DISTLOCKS_ZOOKEEPER=127.0.0.1:2181 adds the "zookeeper" lock alias.
+if ZOOKEEPER := os.environ.get("DISTLOCKS_ZOOKEEPER"):
+    DISTLOCKS["zookeeper"] = {"BACKEND": "distlocks.backends.zookeeper.ZooKeeperBackend", "LOCATION": ZOOKEEPER}
+
+# Celery (demo_shop/celery.py): the broker and result store from the environment.
+CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", "redis://127.0.0.1:6379/1")
+CELERY_RESULT_BACKEND = os.environ.get("CELERY_RESULT_BACKEND", "redis://127.0.0.1:6379/2")
+
 # How long a buy "works" between reading the stock and writing it back: the
 # window in which unsafe strategies race (the business logic of seed 002).
 DEMO_WORK_SECONDS = float(os.environ.get("DEMO_WORK_MS", "5")) / 1000
