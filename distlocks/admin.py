@@ -1,16 +1,37 @@
-"""Admin for the database backend's Lock table (read-only: locks change only through the lock API)."""
+"""Admin for distlocks: the database backend's Lock table, and the locks held in every backend."""
 
 from __future__ import annotations
 
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
-from django.contrib import admin
+from django.contrib import admin, messages
+from django.contrib.admin.models import DELETION, LogEntry
+from django.core.exceptions import ImproperlyConfigured, PermissionDenied
 from django.db.models import QuerySet
 from django.db.models.functions import Now
-from django.http import HttpRequest
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.template.response import TemplateResponse
+from django.urls import URLPattern, path
+from django.utils.translation import gettext as _g
 from django.utils.translation import gettext_lazy as _
 
+from distlocks.backends.base import LockInfo
+from distlocks.exceptions import LockError
+from distlocks.handler import locks
+from distlocks.inspection import force_release, held_locks
 from distlocks.models import Lock
+
+#: The query parameters of the held-locks page.
+SEARCH_VAR = "q"
+ALIAS_VAR = "alias"
+#: The POST fields of the held-locks page: the ticked rows, and the confirmation.
+SELECTED_VAR = "_selected_lock"
+CONFIRM_VAR = "post"
 
 
 class ExpiredFilter(admin.SimpleListFilter):
@@ -28,8 +49,48 @@ class ExpiredFilter(admin.SimpleListFilter):
         return queryset
 
 
+@dataclass(frozen=True)
+class HeldLockRow:
+    """A held lock as one row of the page, with what the template cannot compute."""
+
+    info: LockInfo
+    lease_left: float | None
+
+    @property
+    def value(self) -> str:
+        """The row's checkbox value: which lock, and which acquisition of it (its token)."""
+        return json.dumps([self.info.alias, self.info.name, self.info.token])
+
+    @property
+    def owner_parts(self) -> list[str]:
+        """The owner cut after each ":" and "/", where the page may break it across lines."""
+        return [part for part in re.findall(r"[^:/]*[:/]?", self.info.owner) if part]
+
+    @property
+    def label(self) -> str:
+        return f"{self.info.alias}: {self.info.name}"
+
+
+def _parse_choice(value: str) -> tuple[str, str, int | None] | None:
+    try:
+        alias, name, token = json.loads(value)
+    except (ValueError, TypeError):
+        return None
+    if not isinstance(alias, str) or not isinstance(name, str) or not (token is None or isinstance(token, int)):
+        return None
+    return alias, name, token
+
+
 @admin.register(Lock)
 class LockAdmin(admin.ModelAdmin):
+    """The ``Lock`` rows of the database backend (read-only), and the page of held locks.
+
+    The held-locks page (``admin:distlocks_lock_held``) lists the locks held right
+    now in every ``DISTLOCKS`` backend. Whoever may view ``Lock`` (or holds
+    ``distlocks.force_release_lock``) sees it; only ``force_release_lock`` gives
+    the force-release buttons, and each release is written to the admin log.
+    """
+
     # owner_secret is never shown: whoever holds it can release the lock.
     list_display = fields = readonly_fields = (
         "lock_name",
@@ -45,6 +106,9 @@ class LockAdmin(admin.ModelAdmin):
     search_fields = ["lock_name", "owner_host"]
     ordering = ["lock_name"]
 
+    held_locks_template = "admin/distlocks/lock/held_locks.html"
+    force_release_confirmation_template = "admin/distlocks/lock/force_release_confirmation.html"
+
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
 
@@ -53,3 +117,171 @@ class LockAdmin(admin.ModelAdmin):
 
     def has_delete_permission(self, request: HttpRequest, obj: Lock | None = None) -> bool:
         return False
+
+    def has_view_permission(self, request: HttpRequest, obj: Lock | None = None) -> bool:
+        # Who may break a lock may see the locks.
+        return super().has_view_permission(request, obj) or self.has_force_release_permission(request)
+
+    def has_force_release_permission(self, request: HttpRequest) -> bool:
+        """Return True if the user may force-release locks held by others."""
+        return request.user.has_perm(f"{self.opts.app_label}.force_release_lock")
+
+    def get_urls(self) -> list[URLPattern]:
+        name = f"{self.opts.app_label}_{self.opts.model_name}_held"
+        held = path("held/", self.admin_site.admin_view(self.held_locks_view), name=name)
+        # Before the inherited "<path:object_id>/" patterns, which would take "held/".
+        return [held, *super().get_urls()]
+
+    def held_locks_view(self, request: HttpRequest) -> HttpResponse:
+        """List the locks held in every backend; on POST, confirm then force-release the chosen ones."""
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        if request.method == "POST":
+            if not self.has_force_release_permission(request):
+                raise PermissionDenied
+            return self._post_force_release(request)
+
+        query = request.GET.get(SEARCH_VAR, "").strip()
+        aliases = list(locks)
+        chosen_alias = request.GET.get(ALIAS_VAR) or None
+        errors: dict[str, str] = {}
+        if chosen_alias is not None and chosen_alias not in aliases:
+            errors[chosen_alias] = _g("no such backend in DISTLOCKS")
+            found: list[LockInfo] = []
+        else:
+            found, errors = self._held(aliases if chosen_alias is None else [chosen_alias])
+        if query:
+            needle = query.casefold()
+            found = [info for info in found if needle in info.name.casefold() or needle in info.owner.casefold()]
+        now = datetime.now(UTC)
+        rows = [HeldLockRow(info, info.lease_left(now)) for info in found]
+
+        context = {
+            **self.admin_site.each_context(request),
+            "title": _g("Locks held in every backend"),
+            "subtitle": None,
+            "opts": self.opts,
+            "app_label": self.opts.app_label,
+            "rows": rows,
+            "backend_errors": sorted(errors.items()),
+            "can_force_release": self.has_force_release_permission(request),
+            "search_var": SEARCH_VAR,
+            "query": query,
+            "alias_choices": self._alias_choices(request, aliases, chosen_alias),
+            "chosen_alias": chosen_alias,
+            "selected_var": SELECTED_VAR,
+            "has_waiters": any(row.info.waiters is not None for row in rows),
+        }
+        request.current_app = self.admin_site.name
+        return TemplateResponse(request, self.held_locks_template, context)
+
+    def _held(self, aliases: Sequence[str]) -> tuple[list[LockInfo], dict[str, str]]:
+        found: list[LockInfo] = []
+        errors: dict[str, str] = {}
+        for alias in aliases:
+            # One alias at a time: a misconfigured entry must not hide the others either.
+            try:
+                held = held_locks([alias])
+            except ImproperlyConfigured as exc:
+                errors[alias] = str(exc)
+                continue
+            found.extend(held.locks)
+            errors.update(held.errors)
+        return found, errors
+
+    def _alias_choices(
+        self, request: HttpRequest, aliases: Sequence[str], chosen: str | None
+    ) -> list[tuple[str, str, bool]]:
+        """(display, query string, selected) for the "By backend" filter, keeping the search."""
+        params = request.GET.copy()
+        params.pop(ALIAS_VAR, None)
+        choices = [(_g("All"), f"?{params.urlencode()}", chosen is None)]
+        for alias in aliases:
+            params[ALIAS_VAR] = alias
+            choices.append((alias, f"?{params.urlencode()}", alias == chosen))
+        return choices
+
+    def _post_force_release(self, request: HttpRequest) -> HttpResponse:
+        chosen = [
+            choice for value in request.POST.getlist(SELECTED_VAR) if (choice := _parse_choice(value)) is not None
+        ]
+        back = HttpResponseRedirect(request.get_full_path())
+        if not chosen:
+            self.message_user(request, _g("Tick the locks to force-release first."), messages.WARNING)
+            return back
+        if request.POST.get(CONFIRM_VAR) != "yes":
+            context = {
+                **self.admin_site.each_context(request),
+                "title": _g("Are you sure?"),
+                "subtitle": None,
+                "opts": self.opts,
+                "app_label": self.opts.app_label,
+                "chosen": [(json.dumps(list(choice)), f"{choice[0]}: {choice[1]}") for choice in chosen],
+                "selected_var": SELECTED_VAR,
+                "back_url": request.get_full_path(),
+            }
+            request.current_app = self.admin_site.name
+            return TemplateResponse(request, self.force_release_confirmation_template, context)
+        self.force_release_locks(request, chosen)
+        return back
+
+    def force_release_locks(self, request: HttpRequest, chosen: Sequence[tuple[str, str, int | None]]) -> None:
+        """Force-release each (alias, name, token) still held with that token; log and report each."""
+        current: dict[str, dict[str, LockInfo]] = {}
+        for alias, name, token in chosen:
+            label = f"{alias}: {name}"
+            try:
+                if alias not in current:
+                    held = held_locks([alias])
+                    if alias in held.errors:
+                        raise LockError(held.errors[alias], alias=alias)
+                    current[alias] = {info.name: info for info in held.locks}
+                info = current[alias].get(name)
+                if info is not None and info.token != token:
+                    # Released and taken again since the page was shown: that holder is someone else.
+                    self.message_user(
+                        request,
+                        _g(
+                            "“%(lock)s” was released and taken again (token %(token)s) since you chose it: not released."
+                        )
+                        % {"lock": label, "token": info.token},
+                        messages.WARNING,
+                    )
+                    continue
+                released = info is not None and force_release(alias, name)
+            except (ImproperlyConfigured, LockError) as exc:
+                self.message_user(
+                    request,
+                    _g("“%(lock)s” could not be released: %(error)s") % {"lock": label, "error": exc},
+                    messages.ERROR,
+                )
+                continue
+            if info is None or not released:
+                self.message_user(
+                    request, _g("“%(lock)s” is no longer held: nothing to release.") % {"lock": label}, messages.WARNING
+                )
+                continue
+            self.log_force_release(request, info)
+            self.message_user(
+                request,
+                _g("Force-released “%(lock)s” (held by %(owner)s). Its holder gets LockLost.")
+                % {"lock": label, "owner": info.owner or "?"},
+                messages.SUCCESS,
+            )
+
+    def log_force_release(self, request: HttpRequest, info: LockInfo) -> None:
+        """Write the force-release of ``info`` to the admin log, under the ``Lock`` content type."""
+        # An unsaved Lock carries the content type and the repr; object_id stays empty,
+        # since the lock may live in Redis or ZooKeeper and is gone anyway.
+        lock = Lock(lock_name=f"{info.alias}: {info.name}")
+        message = f"Force-released (held by {info.owner or '?'}, hold count {info.hold_count}, token {info.token})."
+        user_id = request.user.pk
+        if user_id is None:  # admin_view lets only staff users in
+            raise PermissionDenied
+        LogEntry.objects.log_actions(
+            user_id=user_id,
+            queryset=[lock],
+            action_flag=DELETION,
+            change_message=message,
+            single_object=True,
+        )

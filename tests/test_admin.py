@@ -1,15 +1,110 @@
-"""The Lock table's admin: read-only, never shows the owner's secret."""
+"""The admin: the Lock table (read-only, never the owner's secret), and the held locks of every backend."""
 
 from __future__ import annotations
 
+import json
+import os
+import threading
 import time
 
 import pytest
+from django.conf import settings
+from django.contrib.admin.models import DELETION, LogEntry
+from django.contrib.auth.models import Permission
+from django.contrib.contenttypes.models import ContentType
+from django.test import Client, override_settings
+from django.utils.html import escape
 
 import distlocks
+from distlocks.inspection import held_locks
+from distlocks.models import Lock
 from distlocks.owner import current_owner
+from tests.conftest import DB
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = DB
+
+HELD_URL = "/admin/distlocks/lock/held/"
+
+
+class Holder:
+    """Hold a lock in a thread of its own until ``release()``, which returns what releasing raised."""
+
+    def __init__(self, name, alias="default", **kwargs):
+        self.lock = distlocks.lock(name, using=alias, **kwargs)
+        self.acquired = threading.Event()
+        self.go = threading.Event()
+        self.error = None
+        self.token = None
+        self.thread = threading.Thread(target=self._run, name=f"holder-{name}")
+        self.thread.start()
+        assert self.acquired.wait(30), "the holder thread did not get the lock"
+
+    def _run(self):
+        self.lock.acquire()
+        self.token = self.lock.token
+        self.acquired.set()
+        self.go.wait(60)
+        try:
+            self.lock.release()
+        except distlocks.LockError as exc:
+            self.error = exc
+
+    def release(self):
+        self.go.set()
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+        return self.error
+
+
+@pytest.fixture
+def holders():
+    started = []
+
+    def hold(name, alias="default", **kwargs):
+        holder = Holder(name, alias, **kwargs)
+        started.append(holder)
+        return holder
+
+    yield hold
+    for holder in started:
+        if holder.thread.is_alive():
+            holder.release()
+
+
+@pytest.fixture
+def staff_client(django_user_model):
+    """A logged-in staff client with the given distlocks permissions (codenames)."""
+
+    def make(*codenames):
+        user = django_user_model.objects.create_user(f"staff-{'-'.join(codenames) or 'none'}", is_staff=True)
+        user.user_permissions.add(
+            *Permission.objects.filter(content_type__app_label="distlocks", codename__in=codenames)
+        )
+        client = Client()
+        client.force_login(user)
+        client.user = user
+        return client
+
+    return make
+
+
+def value(alias, name, token):
+    return json.dumps([alias, name, token])
+
+
+def release_post(client, alias, name, token, url=HELD_URL):
+    """Tick the row and press the button, then confirm; return the page shown after the redirect."""
+    confirm = client.post(url, {"_selected_lock": value(alias, name, token)})
+    assert confirm.status_code == 200
+    assert "Are you sure" in confirm.content.decode()
+    return client.post(url, {"_selected_lock": value(alias, name, token), "post": "yes"}, follow=True)
+
+
+def listed(alias, name):
+    return any(info.name == name for info in held_locks([alias]).locks)
+
+
+# The database backend's Lock table.
 
 
 def test_lists_locks_with_a_lease_filter_and_no_secret(admin_client, name):
@@ -41,3 +136,194 @@ def test_no_adding_changing_or_deleting(admin_client, name):
         assert page.status_code == 200  # a read-only view
         assert current_owner().secret not in page.content.decode()
         assert admin_client.post(f"/admin/distlocks/lock/{lk.token}/delete/").status_code == 403
+
+
+# The held locks of every backend.
+
+
+def test_the_page_is_linked_from_the_app_index_and_the_lock_list(admin_client):
+    assert HELD_URL in admin_client.get("/admin/distlocks/").content.decode()
+    assert HELD_URL in admin_client.get("/admin/distlocks/lock/").content.decode()
+    page = admin_client.get(HELD_URL).content.decode()
+    assert '<ol class="breadcrumbs">' in page
+    assert 'href="/admin/distlocks/"' in page
+
+
+def test_a_lock_held_elsewhere_is_listed_and_force_released(alias, name, holders, admin_client, admin_user):
+    holder = holders(name, alias, ttl=30)
+    page = admin_client.get(f"{HELD_URL}?alias={alias}").content.decode()
+    assert name in page
+    assert f"{os.getpid()}:<wbr>holder-{name}/<wbr>" in page  # the owner: host:pid:thread
+    assert f'<td class="field-token">{holder.token}</td>' in page
+    if alias == "zookeeper":  # no lease, but it knows its waiters
+        assert ">session</span></td>" in page
+        assert '<td class="field-waiters">0</td>' in page
+    else:
+        assert " s</td>" in page
+    assert f'value="{escape(value(alias, name, holder.token))}"' in page  # its checkbox
+
+    after = release_post(admin_client, alias, name, holder.token, url=f"{HELD_URL}?alias={alias}")
+    assert after.redirect_chain[-1] == (f"{HELD_URL}?alias={alias}", 302)
+    shown = after.content.decode()
+    assert f"Force-released “{alias}: {name}”" in shown
+    assert f'<td class="field-token">{holder.token}</td>' not in shown
+    assert not listed(alias, name)
+
+    entry = LogEntry.objects.get()
+    assert entry.user == admin_user
+    assert entry.object_repr == f"{alias}: {name}"
+    assert entry.content_type == ContentType.objects.get_for_model(Lock)
+    assert entry.action_flag == DELETION
+    assert "Force-released" in entry.get_change_message()
+    assert f"token {holder.token}" in entry.get_change_message()
+
+    assert isinstance(holder.release(), distlocks.LockLost)
+
+
+@pytest.mark.parametrize("aliases", [("default", "redis", "zookeeper")])
+def test_search_and_backend_filter(aliases, name, holders, admin_client):
+    for alias in aliases:
+        holders(f"{name}-{alias}", alias)
+    page = admin_client.get(HELD_URL).content.decode()
+    assert all(f"{name}-{alias}" in page for alias in aliases)
+
+    only_redis = admin_client.get(f"{HELD_URL}?alias=redis").content.decode()
+    assert f"{name}-redis" in only_redis
+    assert f"{name}-default" not in only_redis
+    assert f"{name}-zookeeper" not in only_redis
+
+    found = admin_client.get(f"{HELD_URL}?q={name.upper()}-ZOOK").content.decode()
+    assert f"{name}-zookeeper" in found
+    assert f"{name}-redis" not in found
+    # Search and filter together, and the owner is searched too.
+    both = admin_client.get(f"{HELD_URL}?q=holder-{name}-re&alias=redis").content.decode()
+    assert f"{name}-redis" in both
+    assert f"{name}-default" not in both
+    assert admin_client.get(f"{HELD_URL}?q={name}&alias=default").content.decode().count("field-token") == 1
+    # The filter links keep the search.
+    assert f"?q={name}&amp;alias=redis" in admin_client.get(f"{HELD_URL}?q={name}").content.decode()
+
+
+def test_an_unknown_backend_filter_warns(admin_client):
+    page = admin_client.get(f"{HELD_URL}?alias=nowhere")
+    assert page.status_code == 200
+    assert "Backend “nowhere” could not list its locks: no such backend in DISTLOCKS" in page.content.decode()
+
+
+def test_a_viewer_without_the_permission_sees_no_button_and_cannot_release(name, holders, staff_client):
+    holder = holders(name, "redis")
+    viewer = staff_client("view_lock")
+    page = viewer.get(HELD_URL)
+    assert page.status_code == 200
+    assert name in page.content.decode()
+    assert 'name="_selected_lock"' not in page.content.decode()
+    assert "Force-release selected locks" not in page.content.decode()
+    for data in (
+        {"_selected_lock": value("redis", name, holder.token)},
+        {"_selected_lock": value("redis", name, holder.token), "post": "yes"},
+    ):
+        assert viewer.post(HELD_URL, data).status_code == 403
+    assert listed("redis", name)
+    assert not LogEntry.objects.exists()
+    assert holder.release() is None
+
+
+def test_staff_without_any_distlocks_permission_is_refused(staff_client):
+    assert staff_client().get(HELD_URL).status_code == 403
+
+
+def test_anonymous_users_are_sent_to_the_login(client):
+    page = client.get(HELD_URL)
+    assert page.status_code == 302
+    assert page["Location"].startswith("/admin/login/")
+
+
+def test_the_permission_alone_lets_a_user_see_and_release(name, holders, staff_client):
+    holder = holders(name, "default")
+    releaser = staff_client("force_release_lock")
+    page = releaser.get(HELD_URL).content.decode()
+    assert f'value="{escape(value("default", name, holder.token))}"' in page  # its checkbox
+    assert "Force-release selected locks" in page
+    assert HELD_URL in releaser.get("/admin/distlocks/").content.decode()
+    after = release_post(releaser, "default", name, holder.token)
+    assert f"Force-released “default: {name}”" in after.content.decode()
+    assert LogEntry.objects.get().user == releaser.user
+    assert isinstance(holder.release(), distlocks.LockLost)
+
+
+def test_nothing_is_released_without_confirmation(name, holders, admin_client):
+    holder = holders(name, "default")
+    confirm = admin_client.post(HELD_URL, {"_selected_lock": value("default", name, holder.token)})
+    assert confirm.status_code == 200
+    assert f"default: {name}" in confirm.content.decode()
+    assert 'name="post" value="yes"' in confirm.content.decode()
+    assert listed("default", name)
+    assert admin_client.post(HELD_URL, {}, follow=True).content.decode().count("Tick the locks") == 1
+    assert holder.release() is None
+
+
+def test_selected_locks_are_released_together(name, holders, admin_client):
+    one, two, kept = holders(f"{name}-1", "redis"), holders(f"{name}-2", "zookeeper"), holders(f"{name}-3", "redis")
+    chosen = [value("redis", f"{name}-1", one.token), value("zookeeper", f"{name}-2", two.token)]
+    after = admin_client.post(HELD_URL, {"_selected_lock": chosen, "post": "yes"}, follow=True).content.decode()
+    assert f"Force-released “redis: {name}-1”" in after
+    assert f"Force-released “zookeeper: {name}-2”" in after
+    assert sorted(LogEntry.objects.values_list("object_repr", flat=True)) == [
+        f"redis: {name}-1",
+        f"zookeeper: {name}-2",
+    ]
+    assert listed("redis", f"{name}-3")
+    assert isinstance(one.release(), distlocks.LockLost)
+    assert isinstance(two.release(), distlocks.LockLost)
+    assert kept.release() is None
+
+
+def test_a_lock_no_longer_held_says_so(name, holders, admin_client):
+    holder = holders(name, "redis")
+    token = holder.token
+    assert holder.release() is None
+    after = admin_client.post(HELD_URL, {"_selected_lock": value("redis", name, token), "post": "yes"}, follow=True)
+    assert f"“redis: {name}” is no longer held: nothing to release." in after.content.decode()
+    assert not LogEntry.objects.exists()
+
+
+def test_a_lock_taken_again_since_it_was_shown_is_not_released(name, holders, admin_client):
+    first = holders(name, "default")
+    old_token = first.token
+    assert first.release() is None
+    second = holders(name, "default")
+    after = admin_client.post(
+        HELD_URL, {"_selected_lock": value("default", name, old_token), "post": "yes"}, follow=True
+    )
+    assert f"was released and taken again (token {second.token})" in after.content.decode()
+    assert listed("default", name)
+    assert not LogEntry.objects.exists()
+    assert second.release() is None
+
+
+def test_force_release_needs_the_csrf_token(name, holders, admin_user):
+    holder = holders(name, "default")
+    client = Client(enforce_csrf_checks=True)
+    client.force_login(admin_user)
+    data = {"_selected_lock": value("default", name, holder.token), "post": "yes"}
+    assert client.post(HELD_URL, data).status_code == 403
+    assert listed("default", name)
+    assert holder.release() is None
+
+
+def test_a_backend_that_is_down_is_a_warning_not_an_error(name, holders, admin_client):
+    holders(f"{name}-db", "default")
+    holders(f"{name}-redis", "redis")
+    down = {"BACKEND": "distlocks.backends.redis.RedisBackend", "OPTIONS": {"CACHE": "redis_down"}}
+    with override_settings(DISTLOCKS={**settings.DISTLOCKS, "redis_down": down}):
+        page = admin_client.get(HELD_URL)
+        assert page.status_code == 200
+        shown = page.content.decode()
+        assert '<li class="warning">Backend “redis_down” could not list its locks:' in shown
+        assert f"{name}-db" in shown
+        assert f"{name}-redis" in shown
+        # Releasing on it reports the error too.
+        after = admin_client.post(HELD_URL, {"_selected_lock": value("redis_down", "x", 1), "post": "yes"}, follow=True)
+        assert after.status_code == 200
+        assert "“redis_down: x” could not be released:" in after.content.decode()
+    assert not LogEntry.objects.exists()

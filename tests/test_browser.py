@@ -1,0 +1,136 @@
+"""The held-locks admin page in a real headless Chromium (Debian's), driven by Playwright.
+
+Playwright never downloads a browser here: it drives ``/usr/bin/chromium``. A
+Chromium that cannot start fails the test; it is never skipped.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+from django.conf import settings
+from django.contrib.admin.models import LogEntry
+from django.test import override_settings
+from playwright import sync_api
+
+import distlocks
+from distlocks.inspection import held_locks
+
+ROOT = Path(__file__).resolve().parent.parent
+SCREENSHOT = ROOT / "docs" / "admin-locks.png"
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+# The screenshot's backends: the database, Redis and ZooKeeper.
+SHOWN = ("default", "redis", "zookeeper")
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+class Holder(threading.Thread):
+    """Take a lock in a thread of its own (not the live server's), keep it until ``done`` is set."""
+
+    def __init__(self, name, alias, **kwargs):
+        super().__init__(name=f"{alias}-worker")
+        self.lock = distlocks.lock(name, using=alias, **kwargs)
+        self.held = threading.Event()
+        self.done = threading.Event()
+        self.error = None
+
+    def run(self):
+        self.lock.acquire()
+        self.held.set()
+        self.done.wait(120)
+        try:
+            self.lock.release()
+        except distlocks.LockError as exc:
+            self.error = exc
+
+    def hold(self):
+        self.start()
+        assert self.held.wait(30), f"{self.name} did not get its lock"
+        return self
+
+    def finish(self):
+        self.done.set()
+        self.join(60)
+        return self.error
+
+
+def wait_then_release(name, alias):
+    with distlocks.lock(name, using=alias, wait=60):
+        pass
+
+
+def launch(playwright):
+    try:
+        return playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True, timeout=30_000)
+    except Exception as exc:
+        pytest.fail(f"Chromium ({CHROMIUM}) could not start under Playwright: {exc}", pytrace=False)
+
+
+def test_force_release_in_a_real_browser(live_server, django_user_model):
+    django_user_model.objects.create_superuser("admin", "admin@example.com", "correct horse")
+    shown = {alias: settings.DISTLOCKS[alias] for alias in SHOWN}
+    with override_settings(DISTLOCKS=shown):
+        # The page's lock, and two that stay (one with a waiter queued behind it).
+        stock = Holder("stock:42", "redis", ttl=30).hold()
+        report = Holder("report:nightly", "default", ttl=60).hold()
+        catalog = Holder("import:catalog", "zookeeper").hold()
+        waiter = threading.Thread(target=wait_then_release, args=("import:catalog", "zookeeper"))
+        waiter.start()
+        try:
+            # No ORM from here on: Playwright's sync API runs an event loop in this thread.
+            with sync_api.sync_playwright() as playwright:
+                browser = launch(playwright)
+                try:
+                    page = browser.new_page(viewport={"width": 1200, "height": 700})
+                    page.set_default_timeout(20_000)
+                    page.goto(f"{live_server.url}/admin/login/?next=/admin/distlocks/lock/held/")
+                    page.fill("#id_username", "admin")
+                    page.fill("#id_password", "correct horse")
+                    page.click("input[type=submit]")
+                    page.wait_for_url("**/admin/distlocks/lock/held/")
+                    row = page.locator("#result_list tbody tr", has=page.locator("th", has_text="stock:42"))
+                    sync_api.expect(row).to_have_count(1)
+                    sync_api.expect(row.locator("td.field-alias")).to_have_text("redis")
+                    sync_api.expect(page.locator("#result_list tbody tr")).to_have_count(3)
+
+                    row.locator("input.action-select").check()
+                    page.get_by_role("button", name="Force-release selected locks").click()
+                    sync_api.expect(page.locator("#content")).to_contain_text("Are you sure")
+                    page.get_by_role("button", name="Yes, force-release").click()
+
+                    page.wait_for_url("**/admin/distlocks/lock/held/")
+                    sync_api.expect(page.locator(".messagelist .success")).to_contain_text(
+                        "Force-released “redis: stock:42”"
+                    )
+                    sync_api.expect(page.locator("#result_list tbody tr")).to_have_count(2)
+                    sync_api.expect(row).to_have_count(0)
+                    sync_api.expect(page.locator("td.field-waiters").first).to_be_visible()
+                    toggle = page.locator("#toggle-nav-sidebar")  # more room for the table
+                    if toggle.is_visible():
+                        toggle.click()
+                    SCREENSHOT.parent.mkdir(exist_ok=True)
+                    page.screenshot(path=str(SCREENSHOT))
+                finally:
+                    browser.close()
+        finally:
+            lost = stock.finish()
+            report.finish()
+            catalog.finish()
+            waiter.join(60)
+        assert isinstance(lost, distlocks.LockLost)
+        assert not any(info.name == "stock:42" for info in held_locks(["redis"]).locks)
+    entry = LogEntry.objects.get()
+    assert (entry.user.username, entry.object_repr) == ("admin", "redis: stock:42")
