@@ -216,6 +216,40 @@ class DistributedLock:
             logger.debug("Released lock %r on %r", self.name, self.alias)
             lock_released.send(sender=type(self), name=self.name, alias=self.alias, token=hold.token)
 
+    def detach(self, lease: float) -> int:
+        """Stop holding the lock in this thread without releasing it; return its token.
+
+        The lease stays on the server, unrenewed, for ``lease`` seconds, for the
+        same owner to ``resume()`` (a Celery task's retry, in any process).
+        Raise LockNotOwned if this thread does not hold it, LockLost if it was lost.
+        """
+        hold = _holds().pop((self.alias, self.key), None)
+        if hold is None:
+            raise LockNotOwned(self._message("is not held by this thread"), name=self.name, alias=self.alias)
+        watchdog().unwatch(hold)
+        if hold.lost or not self._backend.extend(self.key, hold.owner, lease):
+            raise LockLost(self._message("was lost while held"), name=self.name, alias=self.alias)
+        return hold.token
+
+    def resume(self, token: int) -> bool:
+        """Hold, once, the lease that the current owner left with ``detach()``; False if it is gone.
+
+        Renewing the lease checks that it is still this owner's; from then on it
+        is renewed and released like any hold, with ``token`` as its token.
+        """
+        if self._hold() is not None:
+            raise ValueError(self._message("is already held by this thread: nothing to resume"))
+        owner = current_owner()
+        started = time.monotonic()
+        if not self._backend.extend(self.key, owner, self.ttl):
+            return False
+        hold = Hold(type(self), self.alias, self.name, self.key, owner, token, self.ttl)
+        hold.lease_ends = started + self.ttl
+        _holds()[(self.alias, self.key)] = hold
+        if self.renew:
+            watchdog().watch(hold)
+        return True
+
     def __enter__(self) -> DistributedLock:
         if not self.acquire():
             raise LockNotAcquired(self._message(f"not acquired within {self.wait}s"), name=self.name, alias=self.alias)

@@ -1,11 +1,14 @@
-"""Who holds a lock: host, pid and thread, plus a per-thread secret."""
+"""Who holds a lock: host, pid and thread (and the task it runs), plus a per-thread secret."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import secrets
 import socket
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 _local = threading.local()
@@ -18,19 +21,26 @@ class Owner:
     ``secret`` is random per thread and per process (regenerated after fork), so
     a reused pid in another container or a reused thread id is never mistaken for
     the owner, and nobody can release a lock without holding the secret.
+    ``task`` is the id of the task the thread runs (see ``running_task``), shown
+    to operators only: it takes no part in ownership.
     """
 
     host: str
     pid: int
     thread: str
     secret: str
+    task: str | None = None
+
+    @property
+    def thread_label(self) -> str:
+        """The thread, and the task it runs if any: ``MainThread/140 task 3f2a...``."""
+        return f"{self.thread} task {self.task}" if self.task else self.thread
 
     def __str__(self) -> str:
-        return f"{self.host}:{self.pid}:{self.thread}"
+        return f"{self.host}:{self.pid}:{self.thread_label}"
 
 
-def current_owner() -> Owner:
-    """Return the calling thread's owner identity."""
+def _thread_owner() -> Owner:
     owner: Owner | None = getattr(_local, "owner", None)
     if owner is None or owner.pid != os.getpid():
         thread = threading.current_thread()
@@ -42,3 +52,49 @@ def current_owner() -> Owner:
         )
         _local.owner = owner
     return owner
+
+
+def current_owner() -> Owner:
+    """Return the calling thread's owner identity (the task's, inside ``acting_as``)."""
+    owner = _thread_owner()
+    acting: Owner | None = getattr(_local, "acting", None)
+    if acting is not None and acting.pid == owner.pid:
+        return acting
+    return owner
+
+
+def task_owner(task_id: str, *, shared: bool = False) -> Owner:
+    """Return the calling thread's identity while it runs the task ``task_id``.
+
+    It shows ``host:pid:thread task <id>`` as the owner. The secret stays the
+    thread's own, unless ``shared``: then it is derived from the task id and
+    ``SECRET_KEY``, so that the same task in another process (its retry, or the
+    worker that runs a task enqueued here) is the same owner, while nobody who
+    only knows the task id (the admin shows it) can release its lock.
+    """
+    from django.utils.crypto import salted_hmac
+
+    base = _thread_owner()
+    secret = (
+        salted_hmac("distlocks.owner.task_owner", task_id, algorithm="sha256").hexdigest()[:32]
+        if shared
+        else base.secret
+    )
+    return dataclasses.replace(base, task=task_id, secret=secret)
+
+
+@contextlib.contextmanager
+def acting_as(owner: Owner) -> Iterator[Owner]:
+    """Make ``owner`` the calling thread's identity (``current_owner()``) while the block runs."""
+    previous: Owner | None = getattr(_local, "acting", None)
+    _local.acting = owner
+    try:
+        yield owner
+    finally:
+        _local.acting = previous
+
+
+def task_id_of(owner: str) -> str | None:
+    """Return the task id in an owner description (``LockInfo.owner``), or None."""
+    _, marker, task_id = owner.rpartition(" task ")
+    return task_id.strip() or None if marker else None

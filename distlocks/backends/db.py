@@ -242,7 +242,7 @@ class DatabaseBackend(BaseLockBackend):
     def try_acquire(self, key: str, owner: Owner, ttl: float) -> int | None:
         def attempt(connection: BaseDatabaseWrapper) -> int | None:
             sql = _sql(connection)
-            params = [key, owner.host[:255], owner.pid, owner.thread[:255], owner.secret, sql.lease(ttl)]
+            params = [key, owner.host[:255], owner.pid, owner.thread_label[:255], owner.secret, sql.lease(ttl)]
             for _ in range(2):
                 try:
                     with connection.cursor() as cursor:

@@ -1,0 +1,330 @@
+"""LockedTask with real Celery workers on a real broker (the tests' own Redis)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+from celery.exceptions import SoftTimeLimitExceeded, TaskRevokedError, TimeLimitExceeded
+from django.core.exceptions import ImproperlyConfigured
+
+import distlocks
+from distlocks.celery import LockedTask
+from distlocks.handler import locks
+from distlocks.owner import task_owner
+from tests.celery_app import (
+    app,
+    deduped,
+    deduped_on_mariadb,
+    failing,
+    guarded,
+    guarded_on_mariadb,
+    in_steps,
+    retrying,
+    skipping,
+    sleeper,
+    sleeper_on_mariadb,
+    sleeper_on_zookeeper,
+    unguarded,
+)
+
+from .conftest import DB, ROOT, worker_env
+
+pytestmark = [DB, pytest.mark.timeout(120)]
+
+
+class CeleryWorker:
+    """``celery worker`` in a process group of its own, stopped or SIGKILLed by the test."""
+
+    def __init__(self, concurrency: int = 2, *options: str) -> None:
+        self.name = f"w-{uuid.uuid4().hex[:8]}@distlocks-tests"
+        command = [
+            sys.executable, "-m", "celery", "-A", "tests.celery_app", "worker", "--pool=prefork",
+            f"--concurrency={concurrency}", "-n", self.name, "--without-gossip", "--without-mingle",
+            "--without-heartbeat", "--loglevel=WARNING", *options,
+        ]  # fmt: skip
+        # No system checks: the test settings name databases that are down on purpose.
+        env = {**worker_env(), "CELERY_SKIP_CHECKS": "1"}
+        self.process = subprocess.Popen(command, cwd=ROOT, env=env, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while not app.control.ping(destination=[self.name], timeout=0.5):
+            assert self.process.poll() is None, f"celery worker exited with {self.process.returncode}"
+            assert time.monotonic() < deadline, "celery worker did not answer within 60 s"
+
+    def kill(self) -> None:
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+    def stop(self) -> None:
+        """Ask for a cold shutdown (SIGQUIT: the tests' tasks are done); ``wait()`` for it."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGQUIT)
+
+    def wait(self) -> None:
+        try:
+            self.process.wait(20)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+
+@pytest.fixture
+def celery_workers():
+    started = []
+
+    def start(count=1, concurrency=2, *options):
+        for _ in range(count):
+            started.append(CeleryWorker(concurrency, *options))
+        return started[-count:]
+
+    yield start
+    for worker in started:
+        worker.stop()
+    for worker in started:
+        worker.wait()
+
+
+@pytest.fixture(scope="module")
+def pair(django_db_setup):
+    """Two workers of two processes each, shared by the tests that neither kill nor configure them."""
+    started = [CeleryWorker(2), CeleryWorker(2)]
+    yield started
+    for worker in started:
+        worker.stop()
+    for worker in started:
+        worker.wait()
+
+
+@pytest.fixture
+def log(tmp_path):
+    return str(tmp_path / "events.log")
+
+
+def events(log):
+    with open(log) as file:
+        return [line.split() for line in file]
+
+
+def overlapped(log):
+    kinds = [event for event, *_ in events(log)]
+    return kinds != ["start", "end"] * (len(kinds) // 2)
+
+
+def assert_never_overlapped(log):
+    assert not overlapped(log), events(log)
+
+
+def held(alias, name):
+    key = locks[alias].make_key(name)
+    return next((info for info in locks[alias].held() if info.name == key), None)
+
+
+def wait_until(condition, timeout=15.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("task", [guarded, guarded_on_mariadb])
+def test_two_workers_racing_never_overlap(pair, log, name, task):
+    workers = pair
+    results = [task.delay(name, log, 0.1) for _ in range(8)]
+    pids = {result.get(timeout=60) for result in results}
+    assert_never_overlapped(log)
+    assert len(events(log)) == 16
+    assert len(pids) >= 2, "both workers' processes ran some"
+    assert {worker.process.poll() for worker in workers} == {None}
+    # The same work without the lock does overlap on these workers: the check above can fail.
+    unlocked = f"{log}.unlocked"
+    for result in [unguarded.delay(name, unlocked, 0.1) for _ in range(8)]:
+        result.get(timeout=60)
+    assert overlapped(unlocked)
+
+
+def test_skip_is_recorded_as_the_result(pair, log, name):
+    first = skipping.delay(name, log, 2.0)
+    wait_until(lambda: held("redis", f"skip:{name}") is not None)
+    second = skipping.delay(name, log, 0)
+    assert second.get(timeout=30) == {"skipped": True, "reason": "lock busy", "lock": f"skip:{name}", "using": "redis"}
+    assert second.state == "SUCCESS"
+    assert isinstance(first.get(timeout=30), int)
+    assert len(events(log)) == 2  # only the first ran
+
+
+def test_retry_runs_it_later(pair, log, name):
+    first = retrying.delay(name, log, 1.0)
+    wait_until(lambda: held("redis", f"retry:{name}") is not None)
+    second = retrying.delay(name, log, 0)
+    first.get(timeout=30)
+    second.get(timeout=30)
+    assert_never_overlapped(log)
+    assert len(events(log)) == 4  # both ran, one after the other
+
+
+def test_the_lock_is_held_across_the_tasks_own_retries(celery_workers, log, name, workers):
+    # One task per child process: the retry runs in another process than the first try.
+    queue = f"q-{name}"  # its own queue: the shared workers must not take it
+    celery_workers(1, 1, "--max-tasks-per-child=1", "-Q", queue)
+    result = in_steps.apply_async((name, log), queue=queue)
+    wait_until(lambda: [event for event, *_ in events(log)] == ["first"] if os.path.exists(log) else False)
+    # Between the two executions nobody else gets the lock.
+    assert workers("take", "redis", f"steps:{name}", 0).finish() == ["busy"]
+    assert "task " + result.id in held("redis", f"steps:{name}").owner
+    assert result.get(timeout=30) == 1
+    (first, first_pid, _), (second, second_pid, _) = events(log)
+    assert (first, second) == ("first", "second")
+    assert first_pid != second_pid
+    assert held("redis", f"steps:{name}") is None
+    assert workers("take", "redis", f"steps:{name}", 0).finish()[0] == "acquired"
+
+
+def test_released_on_failure(pair, name):
+    with pytest.raises(ValueError, match="failed"):
+        failing.delay(name).get(timeout=30)
+    assert held("redis", f"fail:{name}") is None
+
+
+def test_the_holder_shows_its_task_id_and_is_released_on_revoke(pair, log, name):
+    result = sleeper.delay(name, log, 30)
+    wait_until(lambda: held("redis", f"sleep:{name}") is not None)
+    assert held("redis", f"sleep:{name}").owner.endswith(f" task {result.id}")
+    started = time.monotonic()
+    result.revoke(terminate=True)
+    wait_until(lambda: held("redis", f"sleep:{name}") is None)
+    assert time.monotonic() - started < 2.5  # released, not left to its 3 s lease
+    with pytest.raises(TaskRevokedError):
+        result.get(timeout=30)
+
+
+@pytest.mark.parametrize(("task", "alias"), [(sleeper_on_mariadb, "mariadb"), (sleeper_on_zookeeper, "zookeeper")])
+def test_the_holder_shows_its_task_id_on_other_backends(pair, log, name, task, alias):
+    result = task.delay(name, log, 1.5)
+    wait_until(lambda: held(alias, f"hold:{name}") is not None)
+    assert held(alias, f"hold:{name}").owner.endswith(f" task {result.id}")
+    result.get(timeout=30)
+    assert held(alias, f"hold:{name}") is None
+
+
+def test_released_on_the_soft_time_limit(pair, log, name):
+    result = sleeper.apply_async((name, log, 30), soft_time_limit=1)
+    with pytest.raises(SoftTimeLimitExceeded):
+        result.get(timeout=30)
+    assert held("redis", f"sleep:{name}") is None
+
+
+def test_a_hard_time_limit_frees_it_after_its_ttl(pair, log, name):
+    result = sleeper.apply_async((name, log, 30), time_limit=1)
+    with pytest.raises(TimeLimitExceeded):
+        result.get(timeout=30)
+    wait_until(lambda: held("redis", f"sleep:{name}") is None, timeout=3 + 2)
+    assert isinstance(sleeper.delay(name, log, 0).get(timeout=30), int)
+
+
+def test_a_sigkilled_worker_frees_it_after_its_ttl(celery_workers, log, name):
+    queue = f"q-{name}"
+    [worker] = celery_workers(1, 2, "-Q", queue)
+    sleeper.apply_async((name, log, 30), queue=queue)
+    wait_until(lambda: held("redis", f"sleep:{name}") is not None)
+    killed = time.monotonic()
+    worker.kill()
+    assert held("redis", f"sleep:{name}") is not None
+    wait_until(lambda: held("redis", f"sleep:{name}") is None, timeout=3 + 2)
+    assert time.monotonic() - killed > 1.0  # it ran out, nobody released it
+    celery_workers(1, 2, "-Q", queue)
+    assert isinstance(sleeper.apply_async((name, log, 0), queue=queue).get(timeout=30), int)
+
+
+@pytest.mark.parametrize(("deduped", "alias"), [(deduped, "redis"), (deduped_on_mariadb, "mariadb")])
+def test_dedupe_at_enqueue_returns_the_queued_tasks_result(celery_workers, log, name, deduped, alias):
+    queue = f"q-{name}"  # no worker takes it until the test starts one
+
+    def send(*args):
+        return deduped.apply_async(args, queue=queue)
+
+    first = send(name, log, 1.0)
+    assert send(name, log, 1.0).id == first.id  # queued, no worker yet
+    other = send(f"{name}-other", log, 0)
+    assert other.id != first.id
+    marker = locks[alias].make_key(f"dedupe:dedupe:{name}")
+    assert held(alias, f"dedupe:dedupe:{name}").owner.endswith(f" task {first.id}")
+    # Only that task's identity can release its marker.
+    assert not locks[alias].release(marker, task_owner(other.id, shared=True))
+    celery_workers(1, 2, "-Q", queue)
+    wait_until(lambda: held(alias, f"dedupe:{name}") is not None)
+    assert send(name, log, 1.0).id == first.id  # running
+    first.get(timeout=30)
+    other.get(timeout=30)
+    wait_until(lambda: held(alias, f"dedupe:dedupe:{name}") is None, timeout=3)  # released as it ended
+    again = send(name, log, 0)
+    assert again.id != first.id
+    again.get(timeout=30)
+    assert len(events(log)) == 6  # first, other, again: the duplicates never ran
+
+
+def one(item):
+    return item
+
+
+def with_default(item, page=3):
+    return item
+
+
+def any_kwargs(**kwargs):
+    return kwargs
+
+
+def make_task(run=one, **options):
+    return app.task(base=LockedTask, name=f"t-{uuid.uuid4()}", lazy=False, shared=False, **options)(run)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({}, "lock_name is required"),
+        ({"lock_name": ""}, "lock_name is required"),
+        ({"lock_name": 42}, "lock_name must be a str or a callable, not int"),
+        (
+            {"lock_name": "x:{nope}"},
+            r"lock_name 'x:\{nope\}' refers to \{nope\}, which is not an argument of the task \(arguments: item\)",
+        ),
+        ({"lock_name": "x:{0}"}, "must name arguments"),
+        ({"lock_name": "x:{item"}, "not a valid format string"),
+        ({"lock_name": "x", "lock_busy": "later"}, "lock_busy must be one of 'wait', 'skip', 'retry', not 'later'"),
+        ({"lock_name": "x", "lock_ttl": 0}, "lock_ttl must be a finite number of seconds greater than 0"),
+        ({"lock_name": "x", "lock_wait": -1}, "lock_wait must be 0 or more seconds"),
+        ({"lock_name": "x", "lock_retry_countdown": "soon"}, "lock_retry_countdown must be a number"),
+        ({"lock_name": "x", "lock_using": None}, "lock_using must be the str alias"),
+        ({"lock_name": "x", "lock_dedupe": "yes"}, "lock_dedupe must be True or False"),
+    ],
+)
+def test_bad_options_are_refused_naming_the_option(options, message):
+    with pytest.raises(ImproperlyConfigured, match=message):
+        make_task(**options)
+
+
+def test_lock_names_from_the_bound_arguments():
+    assert make_task(with_default, lock_name="x:{item}:{page}").lock_name_for(("a",), {}) == "x:a:3"
+    assert make_task(any_kwargs, lock_name="x:{item}").lock_name_for((), {"item": "b"}) == "x:b"
+    assert make_task(one, lock_name=lambda item: f"y:{item}").lock_name_for((), {"item": 1}) == "y:1"
+    assert guarded.lock_name_for(("a", "log"), {}) == "guard:a"
+    with pytest.raises(ValueError, match="cannot bind the arguments"):
+        guarded.lock_name_for((), {})
+    with pytest.raises(ValueError, match="cannot be formed from this call"):
+        make_task(any_kwargs, lock_name="x:{item}").lock_name_for((), {})
+
+
+def test_dedupe_and_across_retries_refuse_zookeeper():
+    task = make_task(lock_name="x:{item}", lock_using="zookeeper", lock_dedupe=True)
+    with pytest.raises(ImproperlyConfigured, match="need a lease backend"):
+        task.delay("a")
+
+
+def test_called_directly_it_just_runs(log, name):
+    assert guarded(name, log, 0) == os.getpid()
+    assert held("redis", f"guard:{name}") is None
+    assert distlocks.lock(f"guard:{name}", using="redis").acquire(wait=0)
