@@ -328,3 +328,12 @@ def test_called_directly_it_just_runs(log, name):
     assert guarded(name, log, 0) == os.getpid()
     assert held("redis", f"guard:{name}") is None
     assert distlocks.lock(f"guard:{name}", using="redis").acquire(wait=0)
+
+
+def test_the_demo_shops_restock_task_shares_the_buy_views_lock():
+    from demo_shop.shop.tasks import restock
+
+    assert restock.lock_using == "default"
+    assert restock.lock_name_for(("p1", 5), {}) == "stock:p1"  # the name the lock:default view takes
+    assert restock("p1", 5) == 5  # called directly: a plain function call
+    assert restock("p1", 2) == 7
