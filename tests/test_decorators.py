@@ -13,6 +13,7 @@ from django.test import RequestFactory
 import distlocks
 from demo_shop.shop.models import Stock
 from distlocks.decorators import distributed_lock
+from distlocks.signals import lock_released
 
 from .conftest import DB
 
@@ -126,14 +127,16 @@ def test_on_locked_answers_differently(views_urls, client, name):
 
 
 def test_async_requests_in_one_event_loop_exclude_each_other(views_urls, async_client, name):
+    async def later():
+        await asyncio.sleep(0.2)  # once the first holds the lock
+        return await async_client.post(f"/async/{name}/")
+
     async def both():
         # Both run in this one thread and event loop: still one at a time.
-        return await asyncio.gather(
-            async_client.post(f"/async/{name}/?sleep=0.5"), async_client.post(f"/async/{name}/")
-        )
+        return await asyncio.gather(async_client.post(f"/async/{name}/?sleep=1"), later())
 
     first, second = asyncio.run(both())
-    assert sorted([first.status_code, second.status_code]) == [200, 423]
+    assert [first.status_code, second.status_code] == [200, 423]
     assert ran(name) == 1
 
 
@@ -176,3 +179,24 @@ def other_thread_acquires_on(alias, lock_name):
         return True
 
     return other_thread(take)
+
+
+def test_the_demo_shops_locked_view_releases_after_the_commit_under_atomic_requests(client, name):
+    # Through Django's whole request handling, on the demo's own URL: when the
+    # lock is released, no transaction may be open any more.
+    Stock.objects.create(product_id=name[:20], count=5)
+    open_at_release = []
+
+    def record(sender, **kwargs):
+        open_at_release.append(connection.in_atomic_block)
+
+    connection.settings_dict["ATOMIC_REQUESTS"] = True
+    lock_released.connect(record)
+    try:
+        response = client.post(f"/buy/lock:default/{name[:20]}/")
+    finally:
+        lock_released.disconnect(record)
+        connection.settings_dict["ATOMIC_REQUESTS"] = False
+    assert response.status_code == 200
+    assert open_at_release == [False]
+    assert Stock.objects.get(product_id=name[:20]).count == 4

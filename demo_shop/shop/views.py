@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import cache
 
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
@@ -18,13 +17,17 @@ def _answer(sold: bool) -> JsonResponse:
     return JsonResponse({"sold": sold}, status=200 if sold else 409)
 
 
-def _locked_buy(request: HttpRequest, product_id: str, alias: str) -> HttpResponse:
-    return _answer(strategies.locked(product_id, alias))
+def locked_buy_view(alias: str) -> Callable[..., HttpResponse]:
+    """The ``lock:<alias>`` view: URLs resolve straight to it, so that Django sees
+    the decorator's ``_non_atomic_requests`` and opens no transaction around the lock."""
 
+    @csrf_exempt
+    @require_POST
+    @distributed_lock("stock:{product_id}", using=alias, wait=60)
+    def buy_locked(request: HttpRequest, product_id: str) -> HttpResponse:
+        return _answer(strategies.locked(product_id, alias))
 
-@cache
-def _locked_view(alias: str) -> Callable[..., HttpResponse]:
-    return distributed_lock("stock:{product_id}", using=alias, wait=60)(_locked_buy)
+    return buy_locked
 
 
 @csrf_exempt
@@ -36,8 +39,6 @@ def buy(request: HttpRequest, strategy: str, product_id: str) -> HttpResponse:
     kind, _, alias = strategy.partition(":")
     if alias not in locks:
         raise Http404(f"unknown strategy {strategy!r}")
-    if kind == "lock":
-        return _locked_view(alias)(request, product_id=product_id, alias=alias)
     if kind == "pitfall":
         return _answer(strategies.pitfall(product_id, alias))
     raise Http404(f"unknown strategy {strategy!r}")
