@@ -158,3 +158,33 @@ def queue_waiters(name, alias, labels, *, gap, hold=0.0):
         threads.append(thread)
         time.sleep(gap)
     return threads, order
+
+
+class Holder:
+    """Hold a lock in a thread of its own until ``release()``, which returns what releasing raised."""
+
+    def __init__(self, name, alias="default", thread_name=None, **kwargs):
+        self.lock = distlocks.lock(name, using=alias, **kwargs)
+        self.acquired = threading.Event()
+        self.go = threading.Event()
+        self.error = None
+        self.token = None
+        self.thread = threading.Thread(target=self._run, name=thread_name or f"holder-{name}")
+        self.thread.start()
+        assert self.acquired.wait(30), "the holder thread did not get the lock"
+
+    def _run(self):
+        self.lock.acquire()
+        self.token = self.lock.token
+        self.acquired.set()
+        self.go.wait(60)
+        try:
+            self.lock.release()
+        except distlocks.LockError as exc:
+            self.error = exc
+
+    def release(self):
+        self.go.set()
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+        return self.error

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 
 import pytest
@@ -19,41 +18,11 @@ import distlocks
 from distlocks.inspection import held_locks
 from distlocks.models import Lock
 from distlocks.owner import current_owner
-from tests.conftest import DB
+from tests.conftest import DB, Holder
 
 pytestmark = DB
 
 HELD_URL = "/admin/distlocks/lock/held/"
-
-
-class Holder:
-    """Hold a lock in a thread of its own until ``release()``, which returns what releasing raised."""
-
-    def __init__(self, name, alias="default", **kwargs):
-        self.lock = distlocks.lock(name, using=alias, **kwargs)
-        self.acquired = threading.Event()
-        self.go = threading.Event()
-        self.error = None
-        self.token = None
-        self.thread = threading.Thread(target=self._run, name=f"holder-{name}")
-        self.thread.start()
-        assert self.acquired.wait(30), "the holder thread did not get the lock"
-
-    def _run(self):
-        self.lock.acquire()
-        self.token = self.lock.token
-        self.acquired.set()
-        self.go.wait(60)
-        try:
-            self.lock.release()
-        except distlocks.LockError as exc:
-            self.error = exc
-
-    def release(self):
-        self.go.set()
-        self.thread.join(30)
-        assert not self.thread.is_alive()
-        return self.error
 
 
 @pytest.fixture

@@ -18,6 +18,8 @@ from playwright import sync_api
 import distlocks
 from distlocks.inspection import held_locks
 
+from .conftest import Holder
+
 ROOT = Path(__file__).resolve().parent.parent
 SCREENSHOT = ROOT / "docs" / "admin-locks.png"
 CHROMIUM = "/usr/bin/chromium"
@@ -37,36 +39,6 @@ SHOWN = ("default", "redis", "zookeeper")
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-class Holder(threading.Thread):
-    """Take a lock in a thread of its own (not the live server's), keep it until ``done`` is set."""
-
-    def __init__(self, name, alias, **kwargs):
-        super().__init__(name=f"{alias}-worker")
-        self.lock = distlocks.lock(name, using=alias, **kwargs)
-        self.held = threading.Event()
-        self.done = threading.Event()
-        self.error = None
-
-    def run(self):
-        self.lock.acquire()
-        self.held.set()
-        self.done.wait(120)
-        try:
-            self.lock.release()
-        except distlocks.LockError as exc:
-            self.error = exc
-
-    def hold(self):
-        self.start()
-        assert self.held.wait(30), f"{self.name} did not get its lock"
-        return self
-
-    def finish(self):
-        self.done.set()
-        self.join(60)
-        return self.error
-
-
 def wait_then_release(name, alias):
     with distlocks.lock(name, using=alias, wait=60):
         pass
@@ -84,9 +56,9 @@ def test_force_release_in_a_real_browser(live_server, django_user_model):
     shown = {alias: settings.DISTLOCKS[alias] for alias in SHOWN}
     with override_settings(DISTLOCKS=shown):
         # The page's lock, and two that stay (one with a waiter queued behind it).
-        stock = Holder("stock:42", "redis", ttl=30).hold()
-        report = Holder("report:nightly", "default", ttl=60).hold()
-        catalog = Holder("import:catalog", "zookeeper").hold()
+        stock = Holder("stock:42", "redis", thread_name="redis-worker", ttl=30)
+        report = Holder("report:nightly", "default", thread_name="default-worker", ttl=60)
+        catalog = Holder("import:catalog", "zookeeper", thread_name="zookeeper-worker")
         waiter = threading.Thread(target=wait_then_release, args=("import:catalog", "zookeeper"))
         waiter.start()
         try:
@@ -126,9 +98,9 @@ def test_force_release_in_a_real_browser(live_server, django_user_model):
                 finally:
                     browser.close()
         finally:
-            lost = stock.finish()
-            report.finish()
-            catalog.finish()
+            lost = stock.release()
+            report.release()
+            catalog.release()
             waiter.join(60)
         assert isinstance(lost, distlocks.LockLost)
         assert not any(info.name == "stock:42" for info in held_locks(["redis"]).locks)
