@@ -313,12 +313,10 @@ class LockedTask(Task):
 
 
 def _refuse_session_backend(alias: str) -> None:
-    from distlocks.backends.zookeeper import ZooKeeperBackend
-
-    if isinstance(locks[alias], ZooKeeperBackend):
+    if locks[alias].session_bound:
         raise ImproperlyConfigured(
             f"lock_across_retries and lock_dedupe need a lease backend (database, Redis, Redlock): "
-            f"a ZooKeeper lock on {alias!r} lives with the session of the process that took it"
+            f"a lock on {alias!r} lives with the session of the process that took it"
         )
 
 

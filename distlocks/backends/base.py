@@ -72,6 +72,9 @@ class BaseLockBackend:
     max_key_length: int | None = None
     #: What ``clear_expired()`` deletes, for the cleanup command's report.
     cleanup_noun = "expired locks"
+    #: True if a hold lives as long as the holding process's session, not as a
+    #: lease: another process can then never take it over (``detach``/``resume``).
+    session_bound = False
 
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         self.alias = alias

@@ -122,6 +122,7 @@ class ZooKeeperBackend(BaseLockBackend):
 
     max_key_length = 1024
     cleanup_noun = "empty lock nodes"
+    session_bound = True
 
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         super().__init__(alias, params)
