@@ -27,7 +27,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -128,30 +128,42 @@ HANDOFF_MS = 50
 IDLE_SUBSCRIPTION = 10.0
 
 
+class _Waiter:
+    """A thread waiting on a release channel, woken for a release handed to it or to take its turn reading."""
+
+    def __init__(self) -> None:
+        self.wake = threading.Event()
+        self.released = False
+
+
 class _Releases:
     """One pub/sub connection per process and Redis, shared by every waiter.
 
-    Waiters subscribe to a lock's release channel; a daemon thread reads the
-    connection and wakes the waiter the release was handed to (or all of them
-    when it was handed to nobody). A channel stays subscribed for a while after
-    its last waiter left, so that a busy lock does not subscribe again and again.
+    Waiters subscribe to a lock's release channel. There is no reader thread
+    between Redis and a waiter: one of the waiting threads reads the connection
+    and hands each release to the waiter it is for (or to all when it is for
+    nobody), so a process with one waiter wakes straight from the socket, with
+    no thread switch. When the reading waiter leaves it wakes the others, one of
+    which reads next. A channel stays subscribed for a while after its last
+    waiter left, so that a busy lock does not subscribe again and again; a
+    daemon thread drains what arrives while nobody waits.
     """
 
     def __init__(self, client: Any) -> None:
         self.pubsub = client.pubsub()
-        self.lock = threading.Lock()
-        self.waiters: dict[str, dict[str, threading.Event]] = {}
+        self.lock = threading.Lock()  # guards the dicts below
+        self.reading = threading.Lock()  # held by the one thread that reads the connection
+        self.waiters: dict[str, dict[str, _Waiter]] = {}
         self.ready: dict[str, threading.Event] = {}
         self.idle_since: dict[str, float] = {}
-        self.thread = threading.Thread(target=self._run, name="distlocks-redis-releases", daemon=True)
-        self.started = False
+        self.drainer = threading.Thread(target=self._drain, name="distlocks-redis-releases", daemon=True)
         self.broken = False
 
-    def subscribe(self, channel: str, secret: str) -> tuple[threading.Event, threading.Event]:
-        """Return (released, subscribed) events for the waiter ``secret`` on ``channel``."""
-        released = threading.Event()
+    def subscribe(self, channel: str, secret: str) -> tuple[_Waiter, threading.Event]:
+        """Return the waiter ``secret`` on ``channel`` and the event set once the channel is subscribed."""
+        waiter = _Waiter()
         with self.lock:
-            self.waiters.setdefault(channel, {})[secret] = released
+            self.waiters.setdefault(channel, {})[secret] = waiter
             self.idle_since.pop(channel, None)
             if channel not in self.ready:
                 try:
@@ -160,10 +172,9 @@ class _Releases:
                     self.waiters[channel].pop(secret, None)
                     raise
                 self.ready[channel] = threading.Event()
-            if not self.started:
-                self.thread.start()
-                self.started = True
-            return released, self.ready[channel]
+            if not self.drainer.is_alive():
+                self.drainer.start()
+            return waiter, self.ready[channel]
 
     def unsubscribe(self, channel: str, secret: str) -> None:
         with self.lock:
@@ -171,42 +182,88 @@ class _Releases:
             waiters.pop(secret, None)
             if not waiters:
                 self.waiters.pop(channel, None)
-                now = time.monotonic()
-                self.idle_since[channel] = now
-                stale = [c for c, since in self.idle_since.items() if now - since > IDLE_SUBSCRIPTION]
-                for idle in stale:
-                    del self.idle_since[idle]
-                    del self.ready[idle]
+                self.idle_since[channel] = time.monotonic()
+
+    def wait_until(self, done: Callable[[], bool], waiter: _Waiter, timeout: float) -> None:
+        """Return once ``done()`` or after ``timeout`` seconds, reading the connection when nobody else does."""
+        deadline = time.monotonic() + timeout
+        while not done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            if self.reading.acquire(blocking=False):
+                try:
+                    while not done() and (left := deadline - time.monotonic()) > 0:
+                        self._read(left)
+                finally:
+                    self.reading.release()
+                    self._wake_all()  # one of them reads next
+            else:
+                waiter.wake.wait(left)
+                waiter.wake.clear()
+
+    def _wake_all(self) -> None:
+        with self.lock:
+            for waiters in self.waiters.values():
+                for waiter in waiters.values():
+                    waiter.wake.set()
+
+    def _read(self, timeout: float) -> None:
+        """Read one message, waiting at most ``timeout`` seconds, and hand it to whom it concerns."""
+        try:
+            response = self.pubsub.parse_response(block=False, timeout=timeout)
+            message = self.pubsub.handle_message(response) if response else None
+        except Exception as exc:  # the connection broke: redis-py reconnects and resubscribes
+            if not self.broken:  # once per outage, not at every read
+                logger.warning("Redis release channel lost, reconnecting: %s", exc)
+            self.broken = True
+            time.sleep(min(timeout, 0.5))
+            return
+        self.broken = False
+        if message is None:
+            return
+        channel, data = (v.decode() if isinstance(v, bytes) else v for v in (message["channel"], message["data"]))
+        with self.lock:
+            waiters = self.waiters.get(channel, {})
+            if message["type"] == "subscribe" and channel in self.ready:
+                self.ready[channel].set()
+                for waiter in waiters.values():
+                    waiter.wake.set()
+            elif message["type"] == "message":
+                chosen = waiters.get(data) if data else None
+                for waiter in [chosen] if chosen else waiters.values():
+                    waiter.released = True
+                    waiter.wake.set()
+
+    def _drain(self) -> None:
+        """Every second, while nobody waits, read what arrived and unsubscribe channels idle too long."""
+        while True:
+            time.sleep(1.0)
+            if not self.reading.acquire(blocking=False):
+                continue
+            try:
+                with self.lock:
+                    now = time.monotonic()
+                    stale = [c for c, since in self.idle_since.items() if now - since > IDLE_SUBSCRIPTION]
+                    for channel in stale:
+                        del self.idle_since[channel]
+                        del self.ready[channel]
+                    waiting = bool(self.waiters)
                 if stale:
                     with contextlib.suppress(Exception):  # a broken connection drops them anyway
                         self.pubsub.unsubscribe(*stale)
-
-    def _run(self) -> None:
-        while True:
-            if not self.pubsub.subscribed:
-                self.pubsub.subscribed_event.wait(1.0)
-                continue
-            try:
-                response = self.pubsub.parse_response(block=True)
-                message = self.pubsub.handle_message(response) if response else None
-            except Exception as exc:  # the connection broke: redis-py reconnects and resubscribes
-                if not self.broken:  # once per outage, not twice a second
-                    logger.warning("Redis release channel lost, reconnecting: %s", exc)
-                self.broken = True
-                time.sleep(0.5)
-                continue
-            self.broken = False
-            if message is None:
-                continue
-            channel, data = (v.decode() if isinstance(v, bytes) else v for v in (message["channel"], message["data"]))
-            with self.lock:
-                if message["type"] == "subscribe" and channel in self.ready:
-                    self.ready[channel].set()
-                elif message["type"] == "message":
-                    waiters = self.waiters.get(channel, {})
-                    chosen = waiters.get(data) if data else None
-                    for released in [chosen] if chosen else waiters.values():
-                        released.set()
+                while not waiting:
+                    try:
+                        if not self.pubsub.connection.can_read(timeout=0):
+                            break
+                    except Exception:  # not connected: nothing to drain
+                        break
+                    self._read(0)
+                    with self.lock:
+                        waiting = bool(self.waiters)
+            finally:
+                self.reading.release()
+                self._wake_all()
 
 
 _releases: dict[tuple[int, str], _Releases] = {}
@@ -224,7 +281,7 @@ class RedisBackend(BaseLockBackend):
         self.cache: str = self.options.get("CACHE", "default")
         # This thread's waits (backend instances are per thread): the release
         # event per key, and how long the last failed attempt said to wait.
-        self._waiting: dict[str, threading.Event] = {}
+        self._waiting: dict[str, _Waiter] = {}
         self._wait_hint: dict[str, float] = {}
 
     @property
@@ -335,16 +392,17 @@ class RedisBackend(BaseLockBackend):
         in the queue; once it has waited ``STARVING_MS`` the release is handed to
         it for up to ``HANDOFF_MS``, so that nobody barges in and no waiter starves.
         """
-        waiting = self._waiting.get(key)
-        if waiting is None:
+        releases = self._releases()
+        waiter = self._waiting.get(key)
+        if waiter is None:
             with self._reaching():
-                released, subscribed = self._releases().subscribe(self._channel(key), current_owner().secret)
-            self._waiting[key] = released
-            subscribed.wait(1.0 if remaining is None else min(remaining, 1.0))
+                waiter, subscribed = releases.subscribe(self._channel(key), current_owner().secret)
+            self._waiting[key] = waiter
+            releases.wait_until(subscribed.is_set, waiter, 1.0 if remaining is None else min(remaining, 1.0))
             return
         timeout = self._wait_hint.get(key, 1.0)
-        waiting.wait(timeout if remaining is None else min(timeout, remaining))
-        waiting.clear()
+        releases.wait_until(lambda: waiter.released, waiter, timeout if remaining is None else min(timeout, remaining))
+        waiter.released = False
 
     def end_wait(self, key: str, acquired: bool) -> None:
         self._wait_hint.pop(key, None)
