@@ -162,6 +162,8 @@ class DistributedLock:
         deadline = None if wait is None else time.monotonic() + wait
         attempt = 0
         token = None
+        if wait != 0:
+            backend.begin_wait(self.key)
         try:
             while True:
                 started = time.monotonic()
@@ -175,8 +177,7 @@ class DistributedLock:
                 backend.wait(self.key, attempt, remaining)
                 attempt += 1
         finally:
-            if attempt or token is None:
-                backend.end_wait(self.key, acquired=token is not None)
+            backend.end_wait(self.key, acquired=token is not None)
 
         hold = Hold(type(self), self.alias, self.name, self.key, owner, token, self.ttl)
         hold.lease_ends = started + self.ttl

@@ -159,10 +159,67 @@ def test_waiters_get_the_lock_first_come_first_served(name):
     holder.acquire()
     threads, order = queue_waiters(name, "redis", "ABCD", gap=0.1, hold=0.01)
     holder.release()
-    # The releaser asks again at once: the first waiter has waited long enough
-    # to have the lock handed to it, so the releaser waits its turn.
+    # The releaser asks again at once, but the release handed the lock to the
+    # first waiter: the releaser waits its turn.
     holder.acquire(wait=10)
     holder.release()
     for thread in threads:
         thread.join(10)
     assert order == ["A", "B", "C", "D"]
+
+
+def _queue(name):
+    """The Redis client and the key of the lock's waiters' queue."""
+    return locks["redis"].client, f"distlocks:{{{locks['redis'].make_key(name)}}}:queue"
+
+
+def _until(condition, seconds=10.0):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_killed_waiter_is_skipped_when_the_lock_is_handed_on(name, workers):
+    holder = distlocks.lock(name, using="redis", ttl=30)
+    holder.acquire()
+    client, queue = _queue(name)
+    dead = workers("take", "redis", name, 60)
+    _until(lambda: client.zcard(queue) == 1)
+    channel = client.zrange(queue, 0, 0)[0].decode().split("|")[0]
+    dead.kill()
+    _until(lambda: client.pubsub_numsub(channel)[0][1] == 0)
+    result = []
+    waiter = threading.Thread(target=lambda: result.append(distlocks.lock(name, using="redis").acquire(wait=20)))
+    waiter.start()
+    _until(lambda: client.zcard(queue) == 2)
+    released = time.monotonic()
+    holder.release()
+    waiter.join(20)
+    # Not the dead waiter's 30 s lease: the lock went straight past it.
+    assert result == [True]
+    assert time.monotonic() - released < 5
+    assert client.zcard(queue) == 0
+
+
+def test_a_waiter_that_gives_up_leaves_the_queue(name):
+    holder = distlocks.lock(name, using="redis")
+    holder.acquire()
+    client, queue = _queue(name)
+    result = []
+
+    def give_up():
+        result.append(distlocks.lock(name, using="redis").acquire(wait=0.5))
+        result.append(client.zcard(queue))
+
+    thread = threading.Thread(target=give_up)
+    thread.start()
+    _until(lambda: client.zcard(queue) == 1)
+    thread.join(10)
+    assert result == [False, 0]
+    # Nobody waits: the release hands the lock to nobody and it is free.
+    holder.release()
+    thread = threading.Thread(target=lambda: result.append(distlocks.lock(name, using="redis").acquire(wait=0)))
+    thread.start()
+    thread.join(10)
+    assert result == [False, 0, True]

@@ -123,6 +123,9 @@ class BaseLockBackend:
         delay = min(0.002 * 2 ** min(attempt, 5), 0.05) * random.uniform(0.5, 1.0)
         time.sleep(delay if remaining is None else min(delay, remaining))
 
+    def begin_wait(self, key: str) -> None:
+        """Get ready for an acquire that may wait: a backend that queues waiters may queue this one at once."""
+
     def end_wait(self, key: str, acquired: bool) -> None:
         """Forget this thread's attempt on ``key``: it ``acquired`` the lock, or gave up."""
 

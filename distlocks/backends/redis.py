@@ -3,10 +3,12 @@
 Guarantees: every state change is one Lua script, so it is atomic on the
 server. A lock is a hash (owner secret, hold count, fencing token, owner
 description) whose lease is the key's ``PEXPIRE``: when it runs out Redis
-deletes the key and the lock is free. Releasing the last hold deletes the key
-and publishes on the lock's release channel, which wakes waiters in every
-process at once (Redisson's approach: no polling). All keys of one lock share a
-hash tag, so they live in one slot of a Redis Cluster.
+deletes the key and the lock is free. A waiter that failed to acquire joins
+the lock's queue; releasing the last hold hands the lock straight to the first
+waiter (first come, first served) and tells it so on its process's pub/sub
+channel, so it takes the lock without asking again and nobody polls. A waiter
+whose process died is skipped: nobody listens on its channel any more. All
+keys of one lock share a hash tag, so they live in one slot of a Redis Cluster.
 
 Fencing tokens come from a counter key that never expires. When the counter is
 missing (first use, or a Redis restart without persistence) it starts from the
@@ -25,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -40,38 +43,62 @@ from distlocks.owner import Owner, current_owner
 
 logger = logging.getLogger(__name__)
 
-# KEYS[1] the lock hash, KEYS[2] its fencing counter, KEYS[3] the next owner, KEYS[4] the waiters' queue
-# ARGV[1] the owner's secret, ARGV[2] the lease in ms, ARGV[3] the owner's description,
-# ARGV[4] '1' if the owner waits: queue it (by arrival on the server's clock) when not acquired
-# return {token, 0} when acquired, {0, ms to wait at most} when not
-ACQUIRE = """
+# Shared by the scripts that change who holds a lock. KEYS[1] is the lock hash,
+# KEYS[2] its fencing counter, KEYS[3] its waiters' queue: a sorted set of
+# "channel|waiter id|owner secret|lease ms|owner description" by arrival (ms).
+COMMON = """
 local now = redis.call('TIME')
-local function refuse(wait_ms)
-  if ARGV[4] == '1' then
-    redis.call('ZADD', KEYS[4], 'NX', now[1] * 1000 + math.floor(now[2] / 1000), ARGV[1])
-    redis.call('PEXPIRE', KEYS[4], 60000)
+local now_ms = now[1] * 1000 + math.floor(now[2] / 1000)
+local function take(secret, lease, info)
+  local token = redis.call('INCR', KEYS[2])
+  if token == 1 then
+    -- A new counter (first use, or a restart without persistence): start from
+    -- the clock in microseconds, above every token it can have given before.
+    token = redis.call('INCRBY', KEYS[2], now[1] .. string.format('%06d', now[2]))
   end
-  return {0, wait_ms}
+  redis.call('HSET', KEYS[1], 'owner', secret, 'count', 1, 'token', token, 'info', info, 'acquired', now[1])
+  redis.call('PEXPIRE', KEYS[1], lease)
+  return token
 end
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  return refuse(redis.call('PTTL', KEYS[1]))
+-- The lock is free: hand it to the first waiter in the queue, telling its
+-- process "token waiter-id". A waiter whose process no longer listens (it
+-- died) is dropped, and the lock goes to the next one.
+local function pass_on()
+  while true do
+    local first = redis.call('ZRANGE', KEYS[3], 0, 0)[1]
+    if not first then return end
+    redis.call('ZREM', KEYS[3], first)
+    local channel, id, secret, lease, info = string.match(first, '^([^|]*)|([^|]*)|([^|]*)|(%d+)|(.*)$')
+    local token = take(secret, lease, info)
+    redis.call('HSET', KEYS[1], 'granted', 1)
+    if redis.call('PUBLISH', channel, string.format('%d %s', token, id)) > 0 then return end
+    redis.call('DEL', KEYS[1])
+  end
 end
-local next_owner = redis.call('GET', KEYS[3])
-if next_owner and next_owner ~= ARGV[1] then
-  return refuse(redis.call('PTTL', KEYS[3]))
-end
-if next_owner then redis.call('DEL', KEYS[3]) end
-if ARGV[4] == '1' then redis.call('ZREM', KEYS[4], ARGV[1]) end
-local token = redis.call('INCR', KEYS[2])
-if token == 1 then
-  -- A new counter (first use, or a restart without persistence): start from
-  -- the clock in microseconds, above every token it can have given before.
-  token = redis.call('INCRBY', KEYS[2], now[1] .. string.format('%06d', now[2]))
-end
-redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'count', 1, 'token', token, 'info', ARGV[3], 'acquired', now[1])
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return {token, 0}
 """
+
+# ARGV[1] the owner's secret, ARGV[2] the lease in ms, ARGV[3] the owner's description,
+# ARGV[4] the waiter's queue entry ('' if it does not wait): queued when not acquired
+# return {token, 0} when acquired, {0, ms to wait at most} when not
+ACQUIRE = (
+    COMMON
+    + """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  if ARGV[4] == '' then return {0, redis.call('PTTL', KEYS[1])} end
+  local owner, granted, token = unpack(redis.call('HMGET', KEYS[1], 'owner', 'granted', 'token'))
+  if owner == ARGV[1] and granted == '1' then
+    -- Handed to this waiter by a release whose message it has not read yet.
+    redis.call('HDEL', KEYS[1], 'granted')
+    return {tonumber(token), 0}
+  end
+  redis.call('ZADD', KEYS[3], 'NX', now_ms, ARGV[4])
+  if redis.call('PTTL', KEYS[3]) < 60000 + ARGV[2] then redis.call('PEXPIRE', KEYS[3], 60000 + ARGV[2]) end
+  return {0, redis.call('PTTL', KEYS[1])}
+end
+if ARGV[4] ~= '' then redis.call('ZREM', KEYS[3], ARGV[4]) end
+return {take(ARGV[1], ARGV[2], ARGV[3]), 0}
+"""
+)
 
 # KEYS[1] the lock hash / ARGV[1] the owner's secret, ARGV[2] the lease in ms
 # return 1 if the owner holds it once more, 0 if it does not hold it
@@ -82,26 +109,28 @@ redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
 """
 
-# KEYS[1] the lock hash, KEYS[2] its release channel, KEYS[3] the next owner, KEYS[4] the waiters' queue
-# ARGV[1] the owner's secret, ARGV[2] how long a starving waiter has the lock to itself, in ms,
-# ARGV[3] how long a waiter waits before it is starving, in ms
-# return the holds left (0: released, and the first waiter's secret published), -1 if the owner does not hold it
-RELEASE = """
+# ARGV[1] the owner's secret, ARGV[2] the queue entry of a waiter giving up ('' otherwise):
+# it leaves the queue, and passes on the lock if a release handed it over meanwhile
+# return the holds left (0: released and passed on), -1 if the owner does not hold it
+RELEASE = (
+    COMMON
+    + """
+if ARGV[2] ~= '' then
+  redis.call('ZREM', KEYS[3], ARGV[2])
+  if redis.call('EXISTS', KEYS[1]) == 0 then
+    pass_on()
+    return -1
+  end
+  if redis.call('HGET', KEYS[1], 'granted') ~= '1' then return -1 end
+end
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return -1 end
 local left = redis.call('HINCRBY', KEYS[1], 'count', -1)
 if left > 0 then return left end
 redis.call('DEL', KEYS[1])
-local first = redis.call('ZRANGE', KEYS[4], 0, 0, 'WITHSCORES')
-if first[1] then
-  local now = redis.call('TIME')
-  if now[1] * 1000 + math.floor(now[2] / 1000) - tonumber(first[2]) >= tonumber(ARGV[3]) then
-    redis.call('ZREM', KEYS[4], first[1])
-    redis.call('SET', KEYS[3], first[1], 'PX', ARGV[2])
-  end
-end
-redis.call('PUBLISH', KEYS[2], first[1] or '')
+pass_on()
 return 0
 """
+)
 
 # KEYS[1] the lock hash / ARGV[1] the owner's secret, ARGV[2] the lease in ms
 # return 1 if renewed, 0 if the owner does not hold it
@@ -110,79 +139,66 @@ if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
 return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 """
 
-# KEYS[1] the lock hash, KEYS[2] its release channel
 # return 1 if it was held
-FORCE_RELEASE = """
+FORCE_RELEASE = (
+    COMMON
+    + """
 if redis.call('DEL', KEYS[1]) == 0 then return 0 end
-redis.call('PUBLISH', KEYS[2], 'released')
+pass_on()
 return 1
 """
-
-
-# A waiter queued for STARVING_MS gets the next release to itself for up to
-# HANDOFF_MS: before that, whoever asks first gets it (usually the releaser,
-# which is cheaper than waking another process), after it nobody can barge.
-STARVING_MS = 4
-HANDOFF_MS = 50
-# How long a channel stays subscribed after its last waiter left, in seconds.
-IDLE_SUBSCRIPTION = 10.0
+)
 
 
 class _Waiter:
-    """A thread waiting on a release channel, woken for a release handed to it or to take its turn reading."""
+    """A thread waiting for a lock, woken by the release that hands it the lock, with its token."""
 
-    def __init__(self) -> None:
+    def __init__(self, channel: str) -> None:
+        self.channel = channel
+        self.id = secrets.token_hex(8)
+        self.entry = ""  # its entry in the lock's queue, once it has one
         self.wake = threading.Event()
-        self.released = False
+        self.token = 0
+
+    def queue_entry(self, owner: Owner, lease_ms: int) -> str:
+        """Where to tell it, who it is, and the lease to hand it the lock with."""
+        self.entry = f"{self.channel}|{self.id}|{owner.secret}|{lease_ms}|{owner}"
+        return self.entry
 
 
 class _Releases:
     """One pub/sub connection per process and Redis, shared by every waiter.
 
-    Waiters subscribe to a lock's release channel. There is no reader thread
-    between Redis and a waiter: one of the waiting threads reads the connection
-    and hands each release to the waiter it is for (or to all when it is for
-    nobody), so a process with one waiter wakes straight from the socket, with
-    no thread switch. When the reading waiter leaves it wakes the others, one of
-    which reads next. A channel stays subscribed for a while after its last
-    waiter left, so that a busy lock does not subscribe again and again; a
-    daemon thread drains what arrives while nobody waits.
+    The process listens on a channel of its own; a release tells the first
+    waiter in the lock's queue through its process's channel. There is no
+    reader thread between Redis and a waiter: one of the waiting threads reads
+    the connection and passes each message to the waiter it is for, so a process
+    with one waiter wakes straight from the socket, with no thread switch. When
+    the reading waiter leaves it wakes the others, one of which reads next.
     """
 
     def __init__(self, client: Any) -> None:
         self.pubsub = client.pubsub()
-        self.lock = threading.Lock()  # guards the dicts below
+        self.channel = f"distlocks:waiters:{secrets.token_hex(8)}"
+        self.lock = threading.Lock()  # guards the waiters
         self.reading = threading.Lock()  # held by the one thread that reads the connection
-        self.waiters: dict[str, dict[str, _Waiter]] = {}
-        self.ready: dict[str, threading.Event] = {}
-        self.idle_since: dict[str, float] = {}
-        self.drainer = threading.Thread(target=self._drain, name="distlocks-redis-releases", daemon=True)
+        self.waiters: dict[str, _Waiter] = {}
+        self.subscribing = False
+        self.subscribed = threading.Event()
         self.broken = False
 
-    def subscribe(self, channel: str, secret: str) -> tuple[_Waiter, threading.Event]:
-        """Return the waiter ``secret`` on ``channel`` and the event set once the channel is subscribed."""
-        waiter = _Waiter()
+    def enlist(self) -> _Waiter:
+        waiter = _Waiter(self.channel)
         with self.lock:
-            self.waiters.setdefault(channel, {})[secret] = waiter
-            self.idle_since.pop(channel, None)
-            if channel not in self.ready:
-                try:
-                    self.pubsub.subscribe(channel)
-                except Exception:
-                    self.waiters[channel].pop(secret, None)
-                    raise
-                self.ready[channel] = threading.Event()
-            if not self.drainer.is_alive():
-                self.drainer.start()
-            return waiter, self.ready[channel]
+            if not self.subscribing:
+                self.pubsub.subscribe(self.channel)
+                self.subscribing = True
+            self.waiters[waiter.id] = waiter
+        return waiter
 
-    def unsubscribe(self, channel: str, secret: str) -> None:
+    def discharge(self, waiter: _Waiter) -> None:
         with self.lock:
-            waiters = self.waiters.get(channel, {})
-            waiters.pop(secret, None)
-            if not waiters:
-                self.waiters.pop(channel, None)
-                self.idle_since[channel] = time.monotonic()
+            self.waiters.pop(waiter.id, None)
 
     def wait_until(self, done: Callable[[], bool], waiter: _Waiter, timeout: float) -> None:
         """Return once ``done()`` or after ``timeout`` seconds, reading the connection when nobody else does."""
@@ -197,19 +213,15 @@ class _Releases:
                         self._read(left)
                 finally:
                     self.reading.release()
-                    self._wake_all()  # one of them reads next
+                    with self.lock:  # one of the others reads next
+                        for other in self.waiters.values():
+                            other.wake.set()
             else:
                 waiter.wake.wait(left)
                 waiter.wake.clear()
 
-    def _wake_all(self) -> None:
-        with self.lock:
-            for waiters in self.waiters.values():
-                for waiter in waiters.values():
-                    waiter.wake.set()
-
     def _read(self, timeout: float) -> None:
-        """Read one message, waiting at most ``timeout`` seconds, and hand it to whom it concerns."""
+        """Read one message, waiting at most ``timeout`` seconds, and pass it to the waiter it is for."""
         try:
             response = self.pubsub.parse_response(block=False, timeout=timeout)
             message = self.pubsub.handle_message(response) if response else None
@@ -222,48 +234,20 @@ class _Releases:
         self.broken = False
         if message is None:
             return
-        channel, data = (v.decode() if isinstance(v, bytes) else v for v in (message["channel"], message["data"]))
         with self.lock:
-            waiters = self.waiters.get(channel, {})
-            if message["type"] == "subscribe" and channel in self.ready:
-                self.ready[channel].set()
-                for waiter in waiters.values():
-                    waiter.wake.set()
+            if message["type"] == "subscribe":
+                self.subscribed.set()
+                waiters = list(self.waiters.values())
             elif message["type"] == "message":
-                chosen = waiters.get(data) if data else None
-                for waiter in [chosen] if chosen else waiters.values():
-                    waiter.released = True
-                    waiter.wake.set()
-
-    def _drain(self) -> None:
-        """Every second, while nobody waits, read what arrived and unsubscribe channels idle too long."""
-        while True:
-            time.sleep(1.0)
-            if not self.reading.acquire(blocking=False):
-                continue
-            try:
-                with self.lock:
-                    now = time.monotonic()
-                    stale = [c for c, since in self.idle_since.items() if now - since > IDLE_SUBSCRIPTION]
-                    for channel in stale:
-                        del self.idle_since[channel]
-                        del self.ready[channel]
-                    waiting = bool(self.waiters)
-                if stale:
-                    with contextlib.suppress(Exception):  # a broken connection drops them anyway
-                        self.pubsub.unsubscribe(*stale)
-                while not waiting:
-                    try:
-                        if not self.pubsub.connection.can_read(timeout=0):
-                            break
-                    except Exception:  # not connected: nothing to drain
-                        break
-                    self._read(0)
-                    with self.lock:
-                        waiting = bool(self.waiters)
-            finally:
-                self.reading.release()
-                self._wake_all()
+                token, waiter_id = message["data"].decode().split(" ", 1)
+                waiter = self.waiters.get(waiter_id)
+                waiters = [waiter] if waiter else []
+                for waiter in waiters:
+                    waiter.token = int(token)
+            else:
+                waiters = []
+            for waiter in waiters:
+                waiter.wake.set()
 
 
 _releases: dict[tuple[int, str], _Releases] = {}
@@ -343,23 +327,22 @@ class RedisBackend(BaseLockBackend):
     def _fence(self, key: str) -> str:
         return f"distlocks:{{{key}}}:fence"
 
-    def _channel(self, key: str) -> str:
-        return f"distlocks:{{{key}}}:released"
-
-    def _next(self, key: str) -> str:
-        return f"distlocks:{{{key}}}:next"
-
     def _queue(self, key: str) -> str:
         return f"distlocks:{{{key}}}:queue"
+
+    def _keys(self, key: str) -> list[str]:
+        return [self._hash(key), self._fence(key), self._queue(key)]
 
     @staticmethod
     def _ms(ttl: float) -> int:
         return max(1, round(ttl * 1000))
 
     def try_acquire(self, key: str, owner: Owner, ttl: float) -> int | None:
-        keys = [self._hash(key), self._fence(key), self._next(key), self._queue(key)]
-        queued = "1" if key in self._waiting else "0"
-        token, wait_ms = self._call("acquire", keys, [owner.secret, self._ms(ttl), str(owner), queued])
+        waiter = self._waiting.get(key)
+        if waiter is not None and waiter.token:
+            return waiter.token  # a release handed it over
+        entry = "" if waiter is None else waiter.queue_entry(owner, self._ms(ttl))
+        token, wait_ms = self._call("acquire", self._keys(key), [owner.secret, self._ms(ttl), str(owner), entry])
         if token:
             return int(token)
         self._wait_hint[key] = int(wait_ms) / 1000 if int(wait_ms) >= 0 else 1.0
@@ -369,8 +352,7 @@ class RedisBackend(BaseLockBackend):
         return bool(self._call("reenter", [self._hash(key)], [owner.secret, self._ms(ttl)]))
 
     def release(self, key: str, owner: Owner) -> bool:
-        keys = [self._hash(key), self._channel(key), self._next(key), self._queue(key)]
-        return int(self._call("release", keys, [owner.secret, HANDOFF_MS, STARVING_MS])) >= 0
+        return int(self._call("release", self._keys(key), [owner.secret, ""])) >= 0
 
     def extend(self, key: str, owner: Owner, ttl: float) -> bool:
         return bool(self._call("extend", [self._hash(key)], [owner.secret, self._ms(ttl)]))
@@ -383,38 +365,41 @@ class RedisBackend(BaseLockBackend):
                 releases = _releases[index] = _Releases(self.client)
             return releases
 
-    def wait(self, key: str, attempt: int, remaining: float | None) -> None:
-        """Sleep until the lock's release is published or its lease runs out, at most ``remaining``.
+    def begin_wait(self, key: str) -> None:
+        releases = self._releases()
+        if releases.subscribed.is_set():  # the first attempt can queue it already
+            with self._reaching():
+                self._waiting[key] = releases.enlist()
 
-        The first call subscribes to the release channel and returns at once:
-        only now can no release be missed, so the caller looks again, and that
-        attempt queues the waiter if it fails. A release wakes the first waiter
-        in the queue; once it has waited ``STARVING_MS`` the release is handed to
-        it for up to ``HANDOFF_MS``, so that nobody barges in and no waiter starves.
+    def wait(self, key: str, attempt: int, remaining: float | None) -> None:
+        """Sleep until a release hands the lock to this waiter or the lease runs out, at most ``remaining``.
+
+        Unless ``begin_wait()`` found the process's channel subscribed already,
+        the first call subscribes it and returns: only then may the next
+        attempt queue the waiter. A release hands
+        the lock to the first waiter in the queue, first come first served, and
+        the waiter takes it without asking Redis again.
         """
         releases = self._releases()
         waiter = self._waiting.get(key)
         if waiter is None:
             with self._reaching():
-                waiter, subscribed = releases.subscribe(self._channel(key), current_owner().secret)
-            self._waiting[key] = waiter
-            releases.wait_until(subscribed.is_set, waiter, 1.0 if remaining is None else min(remaining, 1.0))
+                waiter = self._waiting[key] = releases.enlist()
+            releases.wait_until(releases.subscribed.is_set, waiter, 1.0 if remaining is None else min(remaining, 1.0))
             return
         timeout = self._wait_hint.get(key, 1.0)
-        releases.wait_until(lambda: waiter.released, waiter, timeout if remaining is None else min(timeout, remaining))
-        waiter.released = False
+        releases.wait_until(lambda: waiter.token > 0, waiter, timeout if remaining is None else min(timeout, remaining))
 
     def end_wait(self, key: str, acquired: bool) -> None:
         self._wait_hint.pop(key, None)
-        if self._waiting.pop(key, None) is None:
+        waiter = self._waiting.pop(key, None)
+        if waiter is None:
             return
-        from redis.exceptions import RedisError
-
-        secret = current_owner().secret
-        self._releases().unsubscribe(self._channel(key), secret)
-        if not acquired:  # acquiring took it off the queue already
-            with contextlib.suppress(RedisError):
-                self.client.zrem(self._queue(key), secret)
+        if not acquired and waiter.entry:
+            # Leave the queue, passing on the lock if a release handed it over meanwhile.
+            with contextlib.suppress(BackendUnavailable):
+                self._call("release", self._keys(key), [current_owner().secret, waiter.entry])
+        self._releases().discharge(waiter)
 
     # -- inspection and maintenance --------------------------------------------
 
@@ -446,7 +431,7 @@ class RedisBackend(BaseLockBackend):
             )
 
     def force_release(self, key: str) -> bool:
-        return bool(self._call("force_release", [self._hash(key), self._channel(key)], []))
+        return bool(self._call("force_release", self._keys(key), []))
 
     def clear_expired(self, dry_run: bool = False) -> int:
         """Delete fencing counters of locks not held (tokens still grow: they restart from the clock)."""
