@@ -1,4 +1,4 @@
-"""What the benchmark scripts share: the command line, the timed loop, the guarded counter."""
+"""What the benchmark scripts share: the command line, the timed loop, the start line, the guarded counter."""
 
 from __future__ import annotations
 
@@ -29,6 +29,17 @@ def time_cycles(acquire: Callable[[], object], release: Callable[[], object], cy
         release()
         samples.append(time.perf_counter() - started)
     return samples
+
+
+def start_together(counter: Path, processes: int) -> None:
+    """Wait until all ``processes`` contenders are here, so that they start their timed loops together.
+
+    Each calls it after a warm-up cycle (connections made, scripts loaded):
+    the contended runs measure contention, not interpreters starting at once.
+    """
+    counter.with_name(f"{counter.name}.ready.{os.getpid()}").touch()
+    while len(list(counter.parent.glob(f"{counter.name}.ready.*"))) < processes:
+        time.sleep(0.001)
 
 
 def bump(counter: Path) -> None:

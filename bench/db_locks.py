@@ -35,7 +35,7 @@ import django  # noqa: E402
 
 django.setup()
 
-from common import arguments, bump, time_cycles  # noqa: E402  (bench/ is on sys.path)
+from common import arguments, bump, start_together, time_cycles  # noqa: E402  (bench/ is on sys.path)
 from django.core.management import call_command  # noqa: E402
 from django.db import DatabaseError, connections  # noqa: E402
 
@@ -119,6 +119,10 @@ def worker(impl: str, alias: str, name: str, seconds: float, counter: str) -> No
     assert pair is not None
     acquire, release = pair
     path = Path(counter)
+    while not acquire():
+        time.sleep(0.001)
+    release()
+    start_together(path, PROCESSES)
     cycles = 0
     errors: list[str] = []
     worst = 0.0

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from common import arguments, bump, time_cycles  # noqa: E402  (bench/ is on sys.path)
+from common import arguments, bump, start_together, time_cycles  # noqa: E402  (bench/ is on sys.path)
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -115,6 +115,9 @@ def worker(impl: str, name: str, seconds: float, counter: str) -> None:
     """One of the contending processes: print its cycles and waits as JSON."""
     acquire, release = cycle_of(impl, name)
     path = Path(counter)
+    acquire()
+    release()
+    start_together(path, PROCESSES)
     waits = []
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:

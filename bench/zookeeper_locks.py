@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from common import arguments, bump, time_cycles  # noqa: E402  (bench/ is on sys.path)
+from common import arguments, bump, start_together, time_cycles  # noqa: E402  (bench/ is on sys.path)
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -97,6 +97,9 @@ def worker(impl: str, name: str, seconds: float, counter: str, log: str) -> None
     """One contending process: print its waits as JSON; log when it asked and when it got the lock."""
     acquire, release = cycle_of(impl, name)
     path = Path(counter)
+    acquire()
+    release()
+    start_together(path, PROCESSES)
     waits = []
     deadline = time.monotonic() + seconds
     with open(log, "a") as events:
