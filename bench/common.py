@@ -9,12 +9,21 @@ from collections.abc import Callable
 from pathlib import Path
 
 
-def arguments(doc: str | None, worker_args: int, cycles: int = 300) -> argparse.Namespace:
-    """Parse the common options; ``--worker`` (hidden) takes ``worker_args`` values."""
+def arguments(
+    doc: str | None, worker_args: int, cycles: int = 300, contended_rounds: int | None = None
+) -> argparse.Namespace:
+    """Parse the common options; ``--worker`` (hidden) takes ``worker_args`` values.
+
+    ``--contended-rounds`` is offered only to a script that gives it a default.
+    """
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cycles", type=int, default=cycles, help="acquire+release cycles per round")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per contender")
     parser.add_argument("--seconds", type=float, default=5, help="length of each contended run")
+    if contended_rounds is not None:
+        parser.add_argument(
+            "--contended-rounds", type=int, default=contended_rounds, help="contended runs per contender"
+        )
     parser.add_argument("--url", default="redis://127.0.0.1:6379/15", help="the Redis to measure on (Redis only)")
     parser.add_argument("--worker", nargs=worker_args, help=argparse.SUPPRESS)
     return parser.parse_args()

@@ -1,13 +1,15 @@
 """Benchmark the Redis backend against redis-py's Lock, python-redis-lock, pottery and the floor.
 
-    .venv/bin/python bench/redis_locks.py [--url redis://127.0.0.1:6379/15] [--cycles 1000] [--rounds 5] [--seconds 5]
+    .venv/bin/python bench/redis_locks.py [--url redis://127.0.0.1:6379/15] [--cycles 1000] [--rounds 5]
+        [--seconds 5] [--contended-rounds 3]
 
 Side by side in one run, on one Redis server:
 - uncontended: the latency of one acquire + release (median and p90 of every
   cycle, rounds interleaved so that noise hits every contender alike);
 - contended: 4 processes looping on one lock for ``--seconds``, each doing a
-  read-modify-write of a shared counter file inside: total cycles/s, the median
-  and the worst wait for the lock, and lost updates.
+  read-modify-write of a shared counter file inside: total cycles/s, the median,
+  p99 and worst wait for the lock (each the median over ``--contended-rounds``
+  interleaved runs), and the lost updates of all runs.
 The floor is a bare ``SET NX PX`` plus an ``EVALSHA`` compare-and-delete: not
 reentrant, not fenced, not renewed. Its contended run polls every millisecond.
 The "x5" rows run Redlock over five Redis servers that the script starts on
@@ -146,7 +148,7 @@ def contended(impl: str, url: str, seconds: float, tmp: Path) -> dict[str, float
 
 
 def main() -> None:
-    args = arguments(__doc__, 4, cycles=1000)
+    args = arguments(__doc__, 4, cycles=1000, contended_rounds=3)
     setup(args.url)
     if args.worker:
         impl, name, seconds, counter = args.worker
@@ -173,13 +175,25 @@ def run(args: argparse.Namespace, Console: Any, Table: Any) -> None:  # noqa: N8
             samples[impl] += uncontended(impl, args.cycles)
     tmp = ROOT / ".bench"
     tmp.mkdir(exist_ok=True)
-    busy = {impl: contended(impl, args.url, args.seconds, tmp) for impl in IMPLS}
+    runs: dict[str, list[dict[str, float]]] = {impl: [] for impl in IMPLS}
+    for _ in range(args.contended_rounds):
+        for impl in IMPLS:
+            runs[impl].append(contended(impl, args.url, args.seconds, tmp))
+    busy = {
+        impl: {
+            metric: sum(r[metric] for r in measured)
+            if metric == "lost_updates"
+            else statistics.median(r[metric] for r in measured)
+            for metric in measured[0]
+        }
+        for impl, measured in runs.items()
+    }
 
     floor = statistics.median(samples["floor"])
     single = statistics.median(samples["distlocks"])
     table = Table(
         title=f"Redis locks on {args.url}: {args.rounds}x{args.cycles} uncontended cycles, "
-        f"{PROCESSES} processes x {args.seconds}s contended"
+        f"{PROCESSES} processes x {args.seconds}s contended, median of {args.contended_rounds} runs"
     )
     columns = [
         "lock",
