@@ -111,16 +111,28 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 DISTLOCKS: dict[str, dict[str, Any]] = {"default": {"BACKEND": "distlocks.backends.db.DatabaseBackend", "TTL": 30}}
 
+CACHES: dict[str, dict[str, Any]] = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
+
+
+def redis_cache(url: str) -> dict[str, Any]:
+    return {
+        "BACKEND": "django_redis.cache.RedisCache",
+        "LOCATION": url,
+        "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 2, "SOCKET_TIMEOUT": 5},
+    }
+
+
 # DISTLOCKS_REDIS_URL=redis://127.0.0.1:6379/0 adds the "redis" lock alias.
 if REDIS_URL := os.environ.get("DISTLOCKS_REDIS_URL"):
-    CACHES = {
-        "default": {
-            "BACKEND": "django_redis.cache.RedisCache",
-            "LOCATION": REDIS_URL,
-            "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 2, "SOCKET_TIMEOUT": 5},
-        }
-    }
+    CACHES["default"] = redis_cache(REDIS_URL)
     DISTLOCKS["redis"] = {"BACKEND": "distlocks.backends.redis.RedisBackend", "OPTIONS": {"CACHE": "default"}}
+
+# DISTLOCKS_REDLOCK_URLS=redis://host1:6379/0,redis://host2:6379/0,... adds the
+# "redlock" lock alias over those independent servers.
+if REDLOCK_URLS := os.environ.get("DISTLOCKS_REDLOCK_URLS"):
+    nodes = [f"redlock-{i}" for i, _ in enumerate(REDLOCK_URLS.split(","), 1)]
+    CACHES.update({node: redis_cache(url.strip()) for node, url in zip(nodes, REDLOCK_URLS.split(","), strict=True)})
+    DISTLOCKS["redlock"] = {"BACKEND": "distlocks.backends.redlock.RedlockBackend", "OPTIONS": {"CACHES": nodes}}
 
 # DISTLOCKS_ZOOKEEPER=127.0.0.1:2181 adds the "zookeeper" lock alias.
 if ZOOKEEPER := os.environ.get("DISTLOCKS_ZOOKEEPER"):

@@ -17,7 +17,7 @@ import distlocks
 from distlocks.models import Lock
 
 from .conftest import DB, DB_ALIASES, ROOT, worker_env
-from .servers import redis_url
+from .servers import REDLOCK_PORTS, redis_url
 
 pytestmark = DB
 
@@ -145,6 +145,20 @@ def test_locked_views_commit_before_releasing_under_atomic_requests(tmp_path):
     )
     assert results["none"]["oversold"] > 0 or results["none"]["lost_updates"] > 0, results["none"]
     for safe in ("lock:default", "lock:redis"):
+        row = results[safe]
+        assert (row["orders"], row["final_stock"], row["oversold"], row["lost_updates"]) == (20, 0, 0, 0), row
+
+
+def test_oversell_with_redis_and_redlock(tmp_path):
+    results = oversell_on_mariadb(
+        tmp_path,
+        "--strategies",
+        "none,lock:redis,lock:redlock",
+        DISTLOCKS_REDIS_URL=redis_url(),
+        DISTLOCKS_REDLOCK_URLS=",".join(redis_url(port) for port in REDLOCK_PORTS),
+    )
+    assert results["none"]["oversold"] > 0 or results["none"]["lost_updates"] > 0, results["none"]
+    for safe in ("lock:redis", "lock:redlock"):
         row = results[safe]
         assert (row["orders"], row["final_stock"], row["oversold"], row["lost_updates"]) == (20, 0, 0, 0), row
 
