@@ -10,6 +10,7 @@ from django_redis import get_redis_connection
 
 import distlocks
 from distlocks.handler import locks
+from distlocks.owner import current_owner
 
 from .conftest import DB, queue_waiters
 from .servers import REDIS_PORT, RedisServer, answers
@@ -223,3 +224,62 @@ def test_a_waiter_that_gives_up_leaves_the_queue(name):
     thread.start()
     thread.join(10)
     assert result == [False, 0, True]
+
+
+def _queued_waiter(name, steps):
+    """In a thread of its own, queue a waiter for ``name`` through the backend, then run ``steps(backend, key)``."""
+    result = []
+
+    def run():
+        backend, owner = locks["redis"], current_owner()
+        key = backend.make_key(name)
+        backend.wait(key, 0, 1.0)  # subscribes the process's channel
+        assert backend.try_acquire(key, owner, 30.0) is None  # held: queued
+        result.append(steps(backend, key, owner))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, result
+
+
+def test_a_lock_handed_to_a_waiter_that_gives_up_is_passed_on(name):
+    holder = distlocks.lock(name, using="redis")
+    holder.acquire()
+    client, queue = _queue(name)
+    handed = threading.Event()
+
+    def give_up(backend, key, owner):
+        handed.wait(10)  # the release handed the lock over; this waiter never reads it
+        backend.end_wait(key, acquired=False)
+
+    thread, _ = _queued_waiter(name, give_up)
+    _until(lambda: client.zcard(queue) == 1)
+    holder.release()
+    handed.set()
+    thread.join(10)
+    result = []
+    taker = threading.Thread(target=lambda: result.append(distlocks.lock(name, using="redis").acquire(wait=0)))
+    taker.start()
+    taker.join(10)
+    assert result == [True]
+
+
+def test_a_waiter_that_asks_again_takes_the_lock_handed_to_it(name):
+    holder = distlocks.lock(name, using="redis")
+    holder.acquire()
+    client, queue = _queue(name)
+    handed = threading.Event()
+
+    def ask_again(backend, key, owner):
+        handed.wait(10)
+        token = backend.try_acquire(key, owner, 30.0)
+        backend.end_wait(key, acquired=token is not None)
+        return token, backend.release(key, owner)
+
+    thread, result = _queued_waiter(name, ask_again)
+    _until(lambda: client.zcard(queue) == 1)
+    token = int(client.hget(f"distlocks:{{{locks['redis'].make_key(name)}}}", "token") or 0)
+    holder.release()
+    handed.set()
+    thread.join(10)
+    assert result == [(token + 1, True)]
