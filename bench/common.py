@@ -25,6 +25,9 @@ def arguments(
             "--contended-rounds", type=int, default=contended_rounds, help="contended runs per contender"
         )
     parser.add_argument("--url", default="redis://127.0.0.1:6379/15", help="the Redis to measure on (Redis only)")
+    parser.add_argument(
+        "--out", type=Path, default=Path(__file__).resolve().parent.parent / ".bench", help="where results go (JSON)"
+    )
     parser.add_argument("--worker", nargs=worker_args, help=argparse.SUPPRESS)
     return parser.parse_args()
 

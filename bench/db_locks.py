@@ -190,8 +190,8 @@ def main() -> None:
         for alias in DATABASES:
             for impl in IMPLS:
                 samples[alias, impl] += uncontended(impl, alias, args.cycles)
-    tmp = ROOT / ".bench"
-    tmp.mkdir(exist_ok=True)
+    tmp = args.out
+    tmp.mkdir(parents=True, exist_ok=True)
     busy = {(a, i): contended(i, a, args.seconds, tmp) for a in DATABASES for i in IMPLS}
 
     table = Table(

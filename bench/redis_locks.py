@@ -173,8 +173,8 @@ def run(args: argparse.Namespace, Console: Any, Table: Any) -> None:  # noqa: N8
     for _ in range(args.rounds):
         for impl in IMPLS:
             samples[impl] += uncontended(impl, args.cycles)
-    tmp = ROOT / ".bench"
-    tmp.mkdir(exist_ok=True)
+    tmp = args.out
+    tmp.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[dict[str, float]]] = {impl: [] for impl in IMPLS}
     for _ in range(args.contended_rounds):
         for impl in IMPLS:

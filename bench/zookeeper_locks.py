@@ -208,8 +208,8 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
             *busy_cells,
         )
     Console(width=160).print(table)
-    out = ROOT / ".bench"
-    out.mkdir(exist_ok=True)
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
     (out / "zookeeper.json").write_text(json.dumps(results, indent=2))
 
 

@@ -1,0 +1,41 @@
+"""The benchmark scripts still run, and no lock they measure loses an update (tiny runs: no timings asserted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import DB, ROOT
+from .servers import REDIS_PORT
+
+pytestmark = DB
+
+QUICK = ["--cycles", "20", "--rounds", "1", "--seconds", "0.5"]
+
+
+@pytest.mark.parametrize(
+    ("script", "arguments", "results"),
+    [
+        ("redis_locks.py", ["--url", f"redis://127.0.0.1:{REDIS_PORT}/15", "--contended-rounds", "1"], "redis.json"),
+        ("db_locks.py", [], "db.json"),
+        ("zookeeper_locks.py", [], "zookeeper.json"),
+    ],
+)
+def test_benchmark_runs_and_loses_no_update(script, arguments, results, tmp_path):
+    completed = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / script), *QUICK, "--out", str(tmp_path), *arguments],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    rows = json.loads((tmp_path / results).read_text())
+    assert any(row["lock"] == "distlocks" for row in rows)
+    contended = [row for row in rows if "lost_updates" in row]
+    assert contended, rows
+    assert all(row["per_second"] > 0 for row in contended), rows
+    assert [row for row in contended if row["lost_updates"]] == [], rows
