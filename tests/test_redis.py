@@ -144,6 +144,40 @@ def test_a_restart_without_persistence_forgets_the_lock(settings, name):
         server.stop()
 
 
+def test_waiters_try_again_when_redis_restarts(settings, name):
+    # The restart forgets the lock and its queue: the waiter learns it from its
+    # channel's resubscription, not from the end of the forgotten 30 s lease.
+    port = REDIS_PORT + 21
+    assert not answers(port)
+    server = RedisServer(port).start()
+    try:
+        settings.CACHES = {
+            **settings.CACHES,
+            "solo": {
+                "BACKEND": "django_redis.cache.RedisCache",
+                "LOCATION": f"redis://127.0.0.1:{port}/0",
+                "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 1, "SOCKET_TIMEOUT": 2},
+            },
+        }
+        settings.DISTLOCKS = {
+            "solo": {"BACKEND": "distlocks.backends.redis.RedisBackend", "OPTIONS": {"CACHE": "solo"}}
+        }
+        holder = distlocks.lock(name, using="solo", ttl=30)
+        holder.acquire()
+        client, queue = locks["solo"].client, f"distlocks:{{{locks['solo'].make_key(name)}}}:queue"
+        result = []
+        waiter = threading.Thread(target=lambda: result.append(distlocks.lock(name, using="solo").acquire(wait=25)))
+        waiter.start()
+        _until(lambda: client.zcard(queue) == 1)
+        server.restart()
+        restarted = time.monotonic()
+        waiter.join(25)
+        assert result == [True]
+        assert time.monotonic() - restarted < 10
+    finally:
+        server.stop()
+
+
 def _take(name):
     lk = distlocks.lock(name, using="solo")
     for _ in range(50):  # the client reconnects after the restart

@@ -159,6 +159,7 @@ class _Waiter:
         self.entry = ""  # its entry in the lock's queue, once it has one
         self.wake = threading.Event()
         self.token = 0
+        self.retry = False  # the channel was (re)subscribed: releases may have been missed
 
     def queue_entry(self, owner: Owner, lease_ms: int) -> str:
         """Where to tell it, who it is, and the lease to hand it the lock with."""
@@ -236,21 +237,22 @@ class _Releases:
             return
         with self.lock:
             if message["type"] == "subscribe":
+                # The first subscription, or a resubscription after a reconnect
+                # (a Redis restart forgets the queues): every waiter tries again.
                 self.subscribed.set()
-                waiters = list(self.waiters.values())
+                for waiter in self.waiters.values():
+                    waiter.retry = True
+                    waiter.wake.set()
             elif message["type"] == "message":
                 token, waiter_id = message["data"].decode().split(" ", 1)
-                waiter = self.waiters.get(waiter_id)
-                waiters = [waiter] if waiter else []
-                for waiter in waiters:
-                    waiter.token = int(token)
-            else:
-                waiters = []
-            for waiter in waiters:
-                waiter.wake.set()
+                handed_to = self.waiters.get(waiter_id)
+                if handed_to is not None:
+                    handed_to.token = int(token)
+                    handed_to.wake.set()
 
 
-_releases: dict[tuple[int, str], _Releases] = {}
+# One per process, cache alias and server (tests point an alias at new servers).
+_releases: dict[tuple[int, str, str], _Releases] = {}
 _releases_lock = threading.Lock()
 
 
@@ -358,7 +360,7 @@ class RedisBackend(BaseLockBackend):
         return bool(self._call("extend", [self._hash(key)], [owner.secret, self._ms(ttl)]))
 
     def _releases(self) -> _Releases:
-        index = (os.getpid(), self.cache)
+        index = (os.getpid(), self.cache, self.address)
         with _releases_lock:
             releases = _releases.get(index)
             if releases is None:
@@ -386,9 +388,12 @@ class RedisBackend(BaseLockBackend):
             with self._reaching():
                 waiter = self._waiting[key] = releases.enlist()
             releases.wait_until(releases.subscribed.is_set, waiter, 1.0 if remaining is None else min(remaining, 1.0))
+            waiter.retry = False
             return
         timeout = self._wait_hint.get(key, 1.0)
-        releases.wait_until(lambda: waiter.token > 0, waiter, timeout if remaining is None else min(timeout, remaining))
+        waiting = timeout if remaining is None else min(timeout, remaining)
+        releases.wait_until(lambda: waiter.token > 0 or waiter.retry, waiter, waiting)
+        waiter.retry = False
 
     def end_wait(self, key: str, acquired: bool) -> None:
         self._wait_hint.pop(key, None)
