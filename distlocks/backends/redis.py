@@ -8,7 +8,10 @@ the lock's queue; releasing the last hold hands the lock straight to the first
 waiter (first come, first served) and tells it so on its process's pub/sub
 channel, so it takes the lock without asking again and nobody polls. A waiter
 whose process died is skipped: nobody listens on its channel any more. All
-keys of one lock share a hash tag, so they live in one slot of a Redis Cluster.
+keys of one lock share a hash tag, so they live in one slot of a Redis Cluster
+(untested there: ``PUBLISH`` in a cluster counts only the listeners of the node
+it runs on, so a waiter listening elsewhere would be skipped and wait for the
+lease).
 
 Fencing tokens come from a counter key that never expires. When the counter is
 missing (first use, or a Redis restart without persistence) it starts from the
