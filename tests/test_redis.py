@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -10,7 +12,7 @@ from django_redis import get_redis_connection
 
 import distlocks
 from distlocks.handler import locks
-from distlocks.owner import current_owner
+from distlocks.owner import acting_as, current_owner, task_owner
 
 from .conftest import DB, queue_waiters
 from .servers import REDIS_PORT, RedisServer, answers
@@ -317,3 +319,99 @@ def test_a_waiter_that_asks_again_takes_the_lock_handed_to_it(name):
     handed.set()
     thread.join(10)
     assert result == [(token + 1, True)]
+
+
+def test_the_queue_outlives_the_lease_a_waiter_sleeps_through(name):
+    # Waiters sleep until the holder's lease ends: a queue that expired first
+    # would forget them, and the release would hand the lock to nobody.
+    holder = distlocks.lock(name, using="redis", ttl=120)
+    holder.acquire()
+    client, queue = _queue(name)
+    waiter = threading.Thread(target=lambda: distlocks.lock(name, using="redis", ttl=1).acquire(wait=0.5))
+    waiter.start()
+    _until(lambda: client.zcard(queue) == 1)
+    assert client.pttl(queue) > 120_000
+    waiter.join(10)
+    holder.release()
+
+
+def test_a_forked_child_does_not_keep_a_dead_waiter_listening(name, workers):
+    holder = distlocks.lock(name, using="redis", ttl=30)
+    holder.acquire()
+    client, queue = _queue(name)
+    parent = workers("queue_and_fork", "redis", name)
+    event, child = parent.line()
+    assert event == "forked"
+    try:
+        channel = client.zrange(queue, 0, 0)[0].decode().split("|")[0]
+        parent.kill()  # its child lives on, with a copy of the parent's sockets
+        _until(lambda: client.pubsub_numsub(channel)[0][1] == 0)
+        result = []
+        waiter = threading.Thread(target=lambda: result.append(distlocks.lock(name, using="redis").acquire(wait=20)))
+        waiter.start()
+        _until(lambda: client.zcard(queue) == 2)
+        released = time.monotonic()
+        holder.release()
+        waiter.join(20)
+        assert result == [True]
+        assert time.monotonic() - released < 5
+    finally:
+        os.kill(int(child), signal.SIGKILL)
+
+
+def test_a_hand_over_is_for_one_waiter_not_for_its_owner(name):
+    # Two threads acting as one owner (a Celery task's shared secret): the lock
+    # handed to the first is not the second's to take or give back.
+    holder = distlocks.lock(name, using="redis")
+    holder.acquire()
+    client, queue = _queue(name)
+    owner = task_owner("task-1", shared=True)
+    first_holds, second_done = threading.Event(), threading.Event()
+    result = []
+
+    def first():
+        with acting_as(owner):
+            lk = distlocks.lock(name, using="redis", wait=10)
+            result.append(("first", lk.acquire()))
+            first_holds.set()
+            second_done.wait(10)
+            lk.release()
+
+    def second():
+        with acting_as(owner):
+            result.append(("second", distlocks.lock(name, using="redis").acquire(wait=0.5)))
+            second_done.set()
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    _until(lambda: client.zcard(queue) == 1)
+    holder.release()  # handed to the first waiter, told by its message
+    assert first_holds.wait(10)
+    other = threading.Thread(target=second)
+    other.start()
+    other.join(10)
+    thread.join(10)
+    assert result == [("first", True), ("second", False)]
+
+
+def test_a_hand_over_to_a_waiter_its_process_forgot_is_given_back(name):
+    holder = distlocks.lock(name, using="redis")
+    holder.acquire()
+    client, queue = _queue(name)
+
+    def forget(backend, key, owner):
+        # As if Redis had been unreachable when it gave up: it is still queued.
+        backend._releases().discharge(backend._waiting.pop(key))
+
+    thread, _ = _queued_waiter(name, forget)
+    thread.join(10)
+    assert client.zcard(queue) == 1
+    result = []
+    waiter = threading.Thread(target=lambda: result.append(distlocks.lock(name, using="redis").acquire(wait=20)))
+    waiter.start()
+    _until(lambda: client.zcard(queue) == 2)
+    released = time.monotonic()
+    holder.release()  # handed to the forgotten waiter; its process gives it back to the next
+    waiter.join(20)
+    assert result == [True]
+    assert time.monotonic() - released < 5

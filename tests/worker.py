@@ -116,6 +116,30 @@ def take(alias: str, name: str, wait: str) -> None:
         say("busy")
 
 
+def queue_and_fork(alias: str, name: str) -> None:
+    """Wait for the lock in a thread; once queued, fork a child that lives on (as a pool's worker would)."""
+    import threading
+    import warnings
+
+    from distlocks.handler import locks
+
+    lock = distlocks.lock(name, using=alias, wait=60)
+    threading.Thread(target=lock.acquire, daemon=True).start()
+    client, queue = locks[alias].client, f"distlocks:{{{locks[alias].make_key(name)}}}:queue"
+    while not client.zcard(queue):
+        time.sleep(0.01)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork() with threads running
+        child = os.fork()
+    if child == 0:
+        time.sleep(60)
+        os._exit(0)
+    say("forked", child)
+    time.sleep(3600)
+
+
 if __name__ == "__main__":
     scenario, *arguments = sys.argv[1:]
-    {"counter": counter, "fork": fork, "guarded": guarded, "hold": hold, "take": take}[scenario](*arguments)
+    scenarios = {"counter": counter, "fork": fork, "guarded": guarded, "hold": hold, "take": take}
+    scenarios["queue_and_fork"] = queue_and_fork
+    scenarios[scenario](*arguments)

@@ -42,7 +42,7 @@ from django.core.exceptions import ImproperlyConfigured
 
 from distlocks.backends.base import BaseLockBackend, LockInfo
 from distlocks.exceptions import BackendUnavailable
-from distlocks.owner import Owner, current_owner
+from distlocks.owner import Owner
 
 logger = logging.getLogger(__name__)
 
@@ -63,9 +63,10 @@ local function take(secret, lease, info)
   redis.call('PEXPIRE', KEYS[1], lease)
   return token
 end
--- The lock is free: hand it to the first waiter in the queue, telling its
--- process "token waiter-id". A waiter whose process no longer listens (it
--- died) is dropped, and the lock goes to the next one.
+-- The lock is free: hand it to the first waiter in the queue, marking the
+-- hash 'granted' with the waiter's id and telling its process "token waiter-id
+-- lock-key". A waiter whose process no longer listens (it died) is dropped,
+-- and the lock goes to the next one.
 local function pass_on()
   while true do
     local first = redis.call('ZRANGE', KEYS[3], 0, 0)[1]
@@ -73,8 +74,8 @@ local function pass_on()
     redis.call('ZREM', KEYS[3], first)
     local channel, id, secret, lease, info = string.match(first, '^([^|]*)|([^|]*)|([^|]*)|(%d+)|(.*)$')
     local token = take(secret, lease, info)
-    redis.call('HSET', KEYS[1], 'granted', 1)
-    if redis.call('PUBLISH', channel, string.format('%d %s', token, id)) > 0 then return end
+    redis.call('HSET', KEYS[1], 'granted', id)
+    if redis.call('PUBLISH', channel, string.format('%d %s %s', token, id, KEYS[1])) > 0 then return end
     redis.call('DEL', KEYS[1])
   end
 end
@@ -87,16 +88,19 @@ ACQUIRE = (
     COMMON
     + """
 if redis.call('EXISTS', KEYS[1]) == 1 then
-  if ARGV[4] == '' then return {0, redis.call('PTTL', KEYS[1])} end
-  local owner, granted, token = unpack(redis.call('HMGET', KEYS[1], 'owner', 'granted', 'token'))
-  if owner == ARGV[1] and granted == '1' then
+  local lease_left = redis.call('PTTL', KEYS[1])
+  if ARGV[4] == '' then return {0, lease_left} end
+  local granted, token = unpack(redis.call('HMGET', KEYS[1], 'granted', 'token'))
+  if granted == string.match(ARGV[4], '^[^|]*|([^|]*)|') then
     -- Handed to this waiter by a release whose message it has not read yet.
     redis.call('HDEL', KEYS[1], 'granted')
     return {tonumber(token), 0}
   end
   redis.call('ZADD', KEYS[3], 'NX', now_ms, ARGV[4])
-  if redis.call('PTTL', KEYS[3]) < 60000 + ARGV[2] then redis.call('PEXPIRE', KEYS[3], 60000 + ARGV[2]) end
-  return {0, redis.call('PTTL', KEYS[1])}
+  -- The queue outlives the lease this waiter will sleep through at most.
+  local keep = math.max(lease_left, tonumber(ARGV[2])) + 60000
+  if redis.call('PTTL', KEYS[3]) < keep then redis.call('PEXPIRE', KEYS[3], keep) end
+  return {0, lease_left}
 end
 if ARGV[4] ~= '' then redis.call('ZREM', KEYS[3], ARGV[4]) end
 return {take(ARGV[1], ARGV[2], ARGV[3]), 0}
@@ -112,25 +116,34 @@ redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
 """
 
-# ARGV[1] the owner's secret, ARGV[2] the queue entry of a waiter giving up ('' otherwise):
-# it leaves the queue, and passes on the lock if a release handed it over meanwhile
+# ARGV[1] the owner's secret
 # return the holds left (0: released and passed on), -1 if the owner does not hold it
 RELEASE = (
     COMMON
     + """
-if ARGV[2] ~= '' then
-  redis.call('ZREM', KEYS[3], ARGV[2])
-  if redis.call('EXISTS', KEYS[1]) == 0 then
-    pass_on()
-    return -1
-  end
-  if redis.call('HGET', KEYS[1], 'granted') ~= '1' then return -1 end
-end
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return -1 end
 local left = redis.call('HINCRBY', KEYS[1], 'count', -1)
 if left > 0 then return left end
 redis.call('DEL', KEYS[1])
 pass_on()
+return 0
+"""
+)
+
+# A waiter gives up, or its process got a hand-over for a waiter it no longer has:
+# ARGV[1] the waiter's id, ARGV[2] its queue entry ('' if none).
+# It leaves the queue; a lock handed to it and not taken, or a free lock, is passed on.
+# return 1 if it gave back a lock handed to it
+ABANDON = (
+    COMMON
+    + """
+if ARGV[2] ~= '' then redis.call('ZREM', KEYS[3], ARGV[2]) end
+if redis.call('HGET', KEYS[1], 'granted') == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  pass_on()
+  return 1
+end
+if redis.call('EXISTS', KEYS[1]) == 0 then pass_on() end
 return 0
 """
 )
@@ -151,6 +164,29 @@ pass_on()
 return 1
 """
 )
+
+
+SCRIPTS = {
+    "acquire": ACQUIRE,
+    "reenter": REENTER,
+    "release": RELEASE,
+    "abandon": ABANDON,
+    "extend": EXTEND,
+    "force_release": FORCE_RELEASE,
+}
+
+
+def _script(client: Any, name: str) -> Any:
+    """The script ``name``, registered once per client: redis-py runs it by EVALSHA, loading it on NOSCRIPT."""
+    scripts: dict[str, Any] | None = getattr(client, "_distlocks_scripts", None)
+    if scripts is None:
+        scripts = client._distlocks_scripts = {n: client.register_script(source) for n, source in SCRIPTS.items()}
+    return scripts[name]
+
+
+def _lock_keys(lock_hash: str) -> list[str]:
+    """A lock's hash, fencing counter and waiters' queue, from the hash's name."""
+    return [lock_hash, f"{lock_hash}:fence", f"{lock_hash}:queue"]
 
 
 class _Waiter:
@@ -182,6 +218,7 @@ class _Releases:
     """
 
     def __init__(self, client: Any) -> None:
+        self.client = client
         self.pubsub = client.pubsub()
         self.channel = f"distlocks:waiters:{secrets.token_hex(8)}"
         self.lock = threading.Lock()  # guards the waiters
@@ -238,25 +275,54 @@ class _Releases:
         self.broken = False
         if message is None:
             return
-        with self.lock:
-            if message["type"] == "subscribe":
-                # The first subscription, or a resubscription after a reconnect
-                # (a Redis restart forgets the queues): every waiter tries again.
+        if message["type"] == "subscribe":
+            # The first subscription, or a resubscription after a reconnect
+            # (a Redis restart forgets the queues): every waiter tries again.
+            with self.lock:
                 self.subscribed.set()
                 for waiter in self.waiters.values():
                     waiter.retry = True
                     waiter.wake.set()
-            elif message["type"] == "message":
-                token, waiter_id = message["data"].decode().split(" ", 1)
-                handed_to = self.waiters.get(waiter_id)
-                if handed_to is not None:
-                    handed_to.token = int(token)
-                    handed_to.wake.set()
+            return
+        if message["type"] != "message":
+            return
+        token, waiter_id, lock_hash = message["data"].decode().split(" ", 2)
+        with self.lock:
+            handed_to = self.waiters.get(waiter_id)
+            if handed_to is not None:
+                handed_to.token = int(token)
+                handed_to.wake.set()
+                return
+        # Handed to a waiter that left without leaving the queue (Redis was
+        # unreachable then): give it back, or nobody holds it for a lease.
+        from redis.exceptions import RedisError
+
+        with contextlib.suppress(RedisError):
+            _script(self.client, "abandon")(keys=_lock_keys(lock_hash), args=[waiter_id, ""])
 
 
 # One per process, cache alias and server (tests point an alias at new servers).
 _releases: dict[tuple[int, str, str], _Releases] = {}
 _releases_lock = threading.Lock()
+
+
+def _forget_releases_after_fork() -> None:
+    """Close the parent's pub/sub sockets in a forked child.
+
+    Left open, they would make Redis count the parent's channels as listened to
+    after the parent died, and hand locks to its dead waiters. redis-py closes
+    a connection of another process without shutting it down for the parent.
+    """
+    global _releases_lock
+    _releases_lock = threading.Lock()
+    for releases in _releases.values():
+        if releases.pubsub.connection is not None:
+            with contextlib.suppress(Exception):
+                releases.pubsub.connection.disconnect()
+    _releases.clear()
+
+
+os.register_at_fork(after_in_child=_forget_releases_after_fork)
 
 
 class RedisBackend(BaseLockBackend):
@@ -291,24 +357,6 @@ class RedisBackend(BaseLockBackend):
         except Exception as exc:  # InvalidCacheBackendError and friends
             raise ImproperlyConfigured(f"DISTLOCKS[{self.alias!r}]: cache {self.cache!r}: {exc}") from exc
 
-    def _scripts(self) -> dict[str, Any]:
-        """The scripts, registered once per client: redis-py runs them by EVALSHA, loading on NOSCRIPT."""
-        client = self.client
-        scripts: dict[str, Any] | None = getattr(client, "_distlocks_scripts", None)
-        if scripts is None:
-            scripts = {
-                name: client.register_script(source)
-                for name, source in (
-                    ("acquire", ACQUIRE),
-                    ("reenter", REENTER),
-                    ("release", RELEASE),
-                    ("extend", EXTEND),
-                    ("force_release", FORCE_RELEASE),
-                )
-            }
-            client._distlocks_scripts = scripts
-        return scripts
-
     @contextlib.contextmanager
     def _reaching(self) -> Iterator[None]:
         """Turn the driver's connection errors into BackendUnavailable."""
@@ -323,20 +371,14 @@ class RedisBackend(BaseLockBackend):
 
     def _call(self, script: str, keys: list[str], args: list[Any]) -> Any:
         with self._reaching():
-            return self._scripts()[script](keys=keys, args=args)
+            return _script(self.client, script)(keys=keys, args=args)
 
     # Keys: the whole key is the hash tag, so all of one lock's keys share a slot.
     def _hash(self, key: str) -> str:
         return f"distlocks:{{{key}}}"
 
-    def _fence(self, key: str) -> str:
-        return f"distlocks:{{{key}}}:fence"
-
-    def _queue(self, key: str) -> str:
-        return f"distlocks:{{{key}}}:queue"
-
     def _keys(self, key: str) -> list[str]:
-        return [self._hash(key), self._fence(key), self._queue(key)]
+        return _lock_keys(self._hash(key))
 
     @staticmethod
     def _ms(ttl: float) -> int:
@@ -357,7 +399,7 @@ class RedisBackend(BaseLockBackend):
         return bool(self._call("reenter", [self._hash(key)], [owner.secret, self._ms(ttl)]))
 
     def release(self, key: str, owner: Owner) -> bool:
-        return int(self._call("release", self._keys(key), [owner.secret, ""])) >= 0
+        return int(self._call("release", self._keys(key), [owner.secret])) >= 0
 
     def extend(self, key: str, owner: Owner, ttl: float) -> bool:
         return bool(self._call("extend", [self._hash(key)], [owner.secret, self._ms(ttl)]))
@@ -406,7 +448,7 @@ class RedisBackend(BaseLockBackend):
         if not acquired and waiter.entry:
             # Leave the queue, passing on the lock if a release handed it over meanwhile.
             with contextlib.suppress(BackendUnavailable):
-                self._call("release", self._keys(key), [current_owner().secret, waiter.entry])
+                self._call("abandon", self._keys(key), [waiter.id, waiter.entry])
         self._releases().discharge(waiter)
 
     # -- inspection and maintenance --------------------------------------------
