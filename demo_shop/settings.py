@@ -130,9 +130,9 @@ if REDIS_URL := os.environ.get("DISTLOCKS_REDIS_URL"):
 # DISTLOCKS_REDLOCK_URLS=redis://host1:6379/0,redis://host2:6379/0,... adds the
 # "redlock" lock alias over those independent servers.
 if REDLOCK_URLS := os.environ.get("DISTLOCKS_REDLOCK_URLS"):
-    nodes = [f"redlock-{i}" for i, _ in enumerate(REDLOCK_URLS.split(","), 1)]
-    CACHES.update({node: redis_cache(url.strip()) for node, url in zip(nodes, REDLOCK_URLS.split(","), strict=True)})
-    DISTLOCKS["redlock"] = {"BACKEND": "distlocks.backends.redlock.RedlockBackend", "OPTIONS": {"CACHES": nodes}}
+    nodes = {f"redlock-{i}": redis_cache(url.strip()) for i, url in enumerate(REDLOCK_URLS.split(","), 1)}
+    CACHES.update(nodes)
+    DISTLOCKS["redlock"] = {"BACKEND": "distlocks.backends.redlock.RedlockBackend", "OPTIONS": {"CACHES": list(nodes)}}
 
 # DISTLOCKS_ZOOKEEPER=127.0.0.1:2181 adds the "zookeeper" lock alias.
 if ZOOKEEPER := os.environ.get("DISTLOCKS_ZOOKEEPER"):

@@ -105,12 +105,14 @@ def test_unreachable_redis(settings):
     assert info.value.__cause__ is not None
 
 
-def test_a_restart_without_persistence_forgets_the_lock(settings, name):
-    # A server of this test's own: restarting it must not disturb the others.
-    port = REDIS_PORT + 20
-    assert not answers(port)
-    server = RedisServer(port).start()
-    try:
+@pytest.fixture
+def solo_redis(settings):
+    """Return ``start(port)``: a Redis server of the test's own as lock alias "solo" (restarting it disturbs no other test)."""
+    servers = []
+
+    def start(port):
+        assert not answers(port)
+        servers.append(RedisServer(port).start())
         settings.CACHES = {
             **settings.CACHES,
             "solo": {
@@ -122,62 +124,53 @@ def test_a_restart_without_persistence_forgets_the_lock(settings, name):
         settings.DISTLOCKS = {
             "solo": {"BACKEND": "distlocks.backends.redis.RedisBackend", "OPTIONS": {"CACHE": "solo"}}
         }
-        lost = []
-        lk = distlocks.lock(name, using="solo", ttl=0.6)
-        lk.acquire()
-        before = lk.token
-        server.restart()
-        # What the README says: the lock is forgotten, the holder's next renewal
-        # fails, others can take it at once, and tokens still grow.
-        other = []
-        thread = threading.Thread(target=lambda: other.append(_take(name)))
-        thread.start()
-        thread.join()
-        assert other
-        assert other[0] > before
-        deadline = time.monotonic() + 5
-        while not lk.lost and time.monotonic() < deadline:
-            time.sleep(0.05)
-        lost.append(lk.lost)
-        assert lost == [True]
-        with pytest.raises(distlocks.LockLost):
-            lk.release()
-    finally:
+        return servers[-1]
+
+    yield start
+    for server in servers:
         server.stop()
 
 
-def test_waiters_try_again_when_redis_restarts(settings, name):
+def test_a_restart_without_persistence_forgets_the_lock(solo_redis, name):
+    server = solo_redis(REDIS_PORT + 20)
+    lost = []
+    lk = distlocks.lock(name, using="solo", ttl=0.6)
+    lk.acquire()
+    before = lk.token
+    server.restart()
+    # What the README says: the lock is forgotten, the holder's next renewal
+    # fails, others can take it at once, and tokens still grow.
+    other = []
+    thread = threading.Thread(target=lambda: other.append(_take(name)))
+    thread.start()
+    thread.join()
+    assert other
+    assert other[0] > before
+    deadline = time.monotonic() + 5
+    while not lk.lost and time.monotonic() < deadline:
+        time.sleep(0.05)
+    lost.append(lk.lost)
+    assert lost == [True]
+    with pytest.raises(distlocks.LockLost):
+        lk.release()
+
+
+def test_waiters_try_again_when_redis_restarts(solo_redis, name):
     # The restart forgets the lock and its queue: the waiter learns it from its
     # channel's resubscription, not from the end of the forgotten 30 s lease.
-    port = REDIS_PORT + 21
-    assert not answers(port)
-    server = RedisServer(port).start()
-    try:
-        settings.CACHES = {
-            **settings.CACHES,
-            "solo": {
-                "BACKEND": "django_redis.cache.RedisCache",
-                "LOCATION": f"redis://127.0.0.1:{port}/0",
-                "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 1, "SOCKET_TIMEOUT": 2},
-            },
-        }
-        settings.DISTLOCKS = {
-            "solo": {"BACKEND": "distlocks.backends.redis.RedisBackend", "OPTIONS": {"CACHE": "solo"}}
-        }
-        holder = distlocks.lock(name, using="solo", ttl=30)
-        holder.acquire()
-        client, queue = locks["solo"].client, f"distlocks:{{{locks['solo'].make_key(name)}}}:queue"
-        result = []
-        waiter = threading.Thread(target=lambda: result.append(distlocks.lock(name, using="solo").acquire(wait=25)))
-        waiter.start()
-        _until(lambda: client.zcard(queue) == 1)
-        server.restart()
-        restarted = time.monotonic()
-        waiter.join(25)
-        assert result == [True]
-        assert time.monotonic() - restarted < 10
-    finally:
-        server.stop()
+    server = solo_redis(REDIS_PORT + 21)
+    holder = distlocks.lock(name, using="solo", ttl=30)
+    holder.acquire()
+    client, queue = _queue(name, "solo")
+    result = []
+    waiter = threading.Thread(target=lambda: result.append(distlocks.lock(name, using="solo").acquire(wait=25)))
+    waiter.start()
+    _until(lambda: client.zcard(queue) == 1)
+    server.restart()
+    restarted = time.monotonic()
+    waiter.join(25)
+    assert result == [True]
+    assert time.monotonic() - restarted < 10
 
 
 def _take(name):
@@ -205,9 +198,9 @@ def test_waiters_get_the_lock_first_come_first_served(name):
     assert order == ["A", "B", "C", "D"]
 
 
-def _queue(name):
+def _queue(name, alias="redis"):
     """The Redis client and the key of the lock's waiters' queue."""
-    return locks["redis"].client, f"distlocks:{{{locks['redis'].make_key(name)}}}:queue"
+    return locks[alias].client, f"distlocks:{{{locks[alias].make_key(name)}}}:queue"
 
 
 def _until(condition, seconds=10.0):

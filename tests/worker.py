@@ -140,6 +140,12 @@ def queue_and_fork(alias: str, name: str) -> None:
 
 if __name__ == "__main__":
     scenario, *arguments = sys.argv[1:]
-    scenarios = {"counter": counter, "fork": fork, "guarded": guarded, "hold": hold, "take": take}
-    scenarios["queue_and_fork"] = queue_and_fork
+    scenarios = {
+        "counter": counter,
+        "fork": fork,
+        "guarded": guarded,
+        "hold": hold,
+        "queue_and_fork": queue_and_fork,
+        "take": take,
+    }
     scenarios[scenario](*arguments)

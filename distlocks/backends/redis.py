@@ -414,18 +414,17 @@ class RedisBackend(BaseLockBackend):
 
     def begin_wait(self, key: str) -> None:
         releases = self._releases()
-        if releases.subscribed.is_set():  # the first attempt can queue it already
-            with self._reaching():
-                self._waiting[key] = releases.enlist()
+        if releases.subscribed.is_set():  # the first attempt can queue it already (no request made here)
+            self._waiting[key] = releases.enlist()
 
     def wait(self, key: str, attempt: int, remaining: float | None) -> None:
         """Sleep until a release hands the lock to this waiter or the lease runs out, at most ``remaining``.
 
         Unless ``begin_wait()`` found the process's channel subscribed already,
         the first call subscribes it and returns: only then may the next
-        attempt queue the waiter. A release hands
-        the lock to the first waiter in the queue, first come first served, and
-        the waiter takes it without asking Redis again.
+        attempt queue the waiter. A release hands the lock to the first waiter
+        in the queue, first come first served, and the waiter takes it without
+        asking Redis again.
         """
         releases = self._releases()
         waiter = self._waiting.get(key)
