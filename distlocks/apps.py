@@ -10,7 +10,7 @@ from django.utils.translation import gettext_lazy as _
 
 
 def _reset_locks(*, setting: str, **kwargs: Any) -> None:
-    if setting == "DISTLOCKS":
+    if setting in ("DISTLOCKS", "CACHES"):  # backends keep their cache's client
         from distlocks.handler import locks
 
         locks.reset()

@@ -28,12 +28,14 @@ Set ``SOCKET_CONNECT_TIMEOUT`` and ``SOCKET_TIMEOUT`` in the cache's
 from __future__ import annotations
 
 import contextlib
+import functools
+import itertools
 import logging
 import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -46,64 +48,77 @@ from distlocks.owner import Owner
 
 logger = logging.getLogger(__name__)
 
-# Shared by the scripts that change who holds a lock. KEYS[1] is the lock hash,
-# KEYS[2] its fencing counter, KEYS[3] its waiters' queue: a sorted set of
-# "channel|waiter id|owner secret|lease ms|owner description" by arrival (ms).
-COMMON = """
-local now = redis.call('TIME')
-local now_ms = now[1] * 1000 + math.floor(now[2] / 1000)
-local function take(secret, lease, info)
+# KEYS[1] is the lock hash, KEYS[2] its fencing counter, KEYS[3] its waiters'
+# queue: a sorted set of "channel|waiter id|owner secret|lease ms|owner
+# description" by arrival (ms). Each script's common case runs first and
+# returns: it makes no TIME call and creates no Lua function, which would cost
+# more than the rest of it. "now" in ARGV is the client's clock in seconds,
+# recorded as when the lock was acquired, for operators only.
+
+# Give the lock to an owner: a new fencing token, one hold, the lease.
+TAKE = """
+local function take(secret, lease, info, now)
   local token = redis.call('INCR', KEYS[2])
   if token == 1 then
     -- A new counter (first use, or a restart without persistence): start from
     -- the clock in microseconds, above every token it can have given before.
-    token = redis.call('INCRBY', KEYS[2], now[1] .. string.format('%06d', now[2]))
+    local clock = redis.call('TIME')
+    token = redis.call('INCRBY', KEYS[2], clock[1] .. string.format('%06d', clock[2]))
   end
-  redis.call('HSET', KEYS[1], 'owner', secret, 'count', 1, 'token', token, 'info', info, 'acquired', now[1])
+  redis.call('HSET', KEYS[1], 'owner', secret, 'count', 1, 'token', token, 'info', info, 'acquired', now)
   redis.call('PEXPIRE', KEYS[1], lease)
   return token
 end
--- The lock is free: hand it to the first waiter in the queue, marking the
--- hash 'granted' with the waiter's id and telling its process "token waiter-id
--- lock-key". A waiter whose process no longer listens (it died) is dropped,
--- and the lock goes to the next one.
-local function pass_on()
+"""
+
+# The lock is free: hand it to the first waiter in the queue, marking the hash
+# 'granted' with the waiter's id and telling its process "token waiter-id
+# lock-key". A waiter whose process no longer listens (it died) is dropped, and
+# the lock goes to the next one.
+PASS_ON = (
+    TAKE
+    + """
+local function pass_on(now)
   while true do
     local first = redis.call('ZRANGE', KEYS[3], 0, 0)[1]
     if not first then return end
     redis.call('ZREM', KEYS[3], first)
     local channel, id, secret, lease, info = string.match(first, '^([^|]*)|([^|]*)|([^|]*)|(%d+)|(.*)$')
-    local token = take(secret, lease, info)
+    local token = take(secret, lease, info, now)
     redis.call('HSET', KEYS[1], 'granted', id)
     if redis.call('PUBLISH', channel, string.format('%d %s %s', token, id, KEYS[1])) > 0 then return end
     redis.call('DEL', KEYS[1])
   end
 end
 """
+)
 
 # ARGV[1] the owner's secret, ARGV[2] the lease in ms, ARGV[3] the owner's description,
-# ARGV[4] the waiter's queue entry ('' if it does not wait): queued when not acquired
-# return {token, 0} when acquired, {0, ms to wait at most} when not
+# ARGV[4] now; if it waits: ARGV[5] its queue entry, where it queues when not acquired,
+# and ARGV[6] '1' if an earlier attempt queued it
+# return the token when acquired; when not, minus the ms to wait at most (one integer: cheaper to read)
 ACQUIRE = (
-    COMMON
+    TAKE
     + """
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  local lease_left = redis.call('PTTL', KEYS[1])
-  if ARGV[4] == '' then return {0, lease_left} end
-  local granted, token = unpack(redis.call('HMGET', KEYS[1], 'granted', 'token'))
-  if granted == string.match(ARGV[4], '^[^|]*|([^|]*)|') then
-    -- Handed to this waiter by a release whose message it has not read yet.
-    redis.call('HDEL', KEYS[1], 'granted')
-    return {tonumber(token), 0}
-  end
-  redis.call('ZADD', KEYS[3], 'NX', now_ms, ARGV[4])
-  -- The queue outlives the lease this waiter will sleep through at most.
-  local keep = math.max(lease_left, tonumber(ARGV[2])) + 60000
-  if redis.call('PTTL', KEYS[3]) < keep then redis.call('PEXPIRE', KEYS[3], keep) end
-  return {0, lease_left}
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  if ARGV[6] == '1' then redis.call('ZREM', KEYS[3], ARGV[5]) end
+  return take(ARGV[1], ARGV[2], ARGV[3], ARGV[4])
 end
-if ARGV[4] ~= '' then redis.call('ZREM', KEYS[3], ARGV[4]) end
-return {take(ARGV[1], ARGV[2], ARGV[3]), 0}
+local lease_left = redis.call('PTTL', KEYS[1])
+if lease_left < 1 then lease_left = lease_left < 0 and 1000 or 1 end  -- no lease (set by hand): look again in 1 s
+if not ARGV[5] then return -lease_left end
+local granted, token = unpack(redis.call('HMGET', KEYS[1], 'granted', 'token'))
+if granted == string.match(ARGV[5], '^[^|]*|([^|]*)|') then
+  -- Handed to this waiter by a release whose message it has not read yet.
+  redis.call('HDEL', KEYS[1], 'granted')
+  return tonumber(token)
+end
+local clock = redis.call('TIME')
+redis.call('ZADD', KEYS[3], 'NX', clock[1] * 1000 + math.floor(clock[2] / 1000), ARGV[5])
+-- The queue outlives the lease this waiter will sleep through at most.
+local keep = math.max(lease_left, tonumber(ARGV[2])) + 60000
+if redis.call('PTTL', KEYS[3]) < keep then redis.call('PEXPIRE', KEYS[3], keep) end
+return -lease_left
 """
 )
 
@@ -116,34 +131,37 @@ redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
 """
 
-# ARGV[1] the owner's secret
+# ARGV[1] the owner's secret, ARGV[2] now
 # return the holds left (0: released and passed on), -1 if the owner does not hold it
 RELEASE = (
-    COMMON
-    + """
-if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return -1 end
-local left = redis.call('HINCRBY', KEYS[1], 'count', -1)
-if left > 0 then return left end
+    """
+local owner, count = unpack(redis.call('HMGET', KEYS[1], 'owner', 'count'))
+if owner ~= ARGV[1] then return -1 end
+if tonumber(count) > 1 then return redis.call('HINCRBY', KEYS[1], 'count', -1) end
 redis.call('DEL', KEYS[1])
-pass_on()
+if redis.call('EXISTS', KEYS[3]) == 0 then return 0 end
+"""
+    + PASS_ON
+    + """
+pass_on(ARGV[2])
 return 0
 """
 )
 
 # A waiter gives up, or its process got a hand-over for a waiter it no longer has:
-# ARGV[1] the waiter's id, ARGV[2] its queue entry ('' if none).
+# ARGV[1] the waiter's id, ARGV[2] its queue entry ('' if none), ARGV[3] now.
 # It leaves the queue; a lock handed to it and not taken, or a free lock, is passed on.
 # return 1 if it gave back a lock handed to it
 ABANDON = (
-    COMMON
+    PASS_ON
     + """
 if ARGV[2] ~= '' then redis.call('ZREM', KEYS[3], ARGV[2]) end
 if redis.call('HGET', KEYS[1], 'granted') == ARGV[1] then
   redis.call('DEL', KEYS[1])
-  pass_on()
+  pass_on(ARGV[3])
   return 1
 end
-if redis.call('EXISTS', KEYS[1]) == 0 then pass_on() end
+if redis.call('EXISTS', KEYS[1]) == 0 then pass_on(ARGV[3]) end
 return 0
 """
 )
@@ -155,12 +173,12 @@ if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
 return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 """
 
-# return 1 if it was held
+# ARGV[1] now / return 1 if it was held
 FORCE_RELEASE = (
-    COMMON
+    PASS_ON
     + """
 if redis.call('DEL', KEYS[1]) == 0 then return 0 end
-pass_on()
+pass_on(ARGV[1])
 return 1
 """
 )
@@ -176,28 +194,45 @@ SCRIPTS = {
 }
 
 
-def _script(client: Any, name: str) -> Any:
-    """The script ``name``, registered once per client: redis-py runs it by EVALSHA, loading it on NOSCRIPT."""
+def _scripts(client: Any) -> dict[str, Any]:
+    """The scripts, registered once per client: redis-py runs them by EVALSHA, loading them on NOSCRIPT."""
     scripts: dict[str, Any] | None = getattr(client, "_distlocks_scripts", None)
     if scripts is None:
         scripts = client._distlocks_scripts = {n: client.register_script(source) for n, source in SCRIPTS.items()}
-    return scripts[name]
+    return scripts
 
 
-def _lock_keys(lock_hash: str) -> list[str]:
+def _connection_errors() -> tuple[type[Exception], ...]:
+    """The driver's errors for a server it cannot reach (imported late: redis is an optional dependency).
+
+    Called in ``except`` clauses, which evaluate it only when an exception is raised.
+    """
+    from redis.exceptions import ConnectionError, TimeoutError
+
+    return ConnectionError, TimeoutError
+
+
+def _now() -> int:
+    """The time a script records as when a lock was acquired (seconds, for operators only)."""
+    return int(time.time())
+
+
+@functools.lru_cache(maxsize=4096)  # built at every acquire and release
+def _lock_keys(lock_hash: str) -> tuple[str, str, str]:
     """A lock's hash, fencing counter and waiters' queue, from the hash's name."""
-    return [lock_hash, f"{lock_hash}:fence", f"{lock_hash}:queue"]
+    return lock_hash, f"{lock_hash}:fence", f"{lock_hash}:queue"
 
 
 class _Waiter:
     """A thread waiting for a lock, woken by the release that hands it the lock, with its token."""
 
-    def __init__(self, channel: str) -> None:
+    def __init__(self, channel: str, waiter_id: str) -> None:
         self.channel = channel
-        self.id = secrets.token_hex(8)
+        self.id = waiter_id
         self.entry = ""  # its entry in the lock's queue, once it has one
         self.wake = threading.Event()
         self.token = 0
+        self.queued = False  # an attempt put its entry in the lock's queue
         self.retry = False  # the channel was (re)subscribed: releases may have been missed
 
     def queue_entry(self, owner: Owner, lease_ms: int) -> str:
@@ -220,17 +255,20 @@ class _Releases:
     def __init__(self, client: Any) -> None:
         self.client = client
         self.pubsub = client.pubsub()
-        self.channel = f"distlocks:waiters:{secrets.token_hex(8)}"
+        process = secrets.token_hex(8)
+        self.channel = f"distlocks:waiters:{process}"
+        self.waiter_ids = (f"{process}.{n}" for n in itertools.count(1))  # unique across processes
         self.lock = threading.Lock()  # guards the waiters
         self.reading = threading.Lock()  # held by the one thread that reads the connection
         self.waiters: dict[str, _Waiter] = {}
         self.subscribing = False
         self.subscribed = threading.Event()
         self.broken = False
+        self.forgotten = False  # in a forked child: the parent's
 
     def enlist(self) -> _Waiter:
-        waiter = _Waiter(self.channel)
         with self.lock:
+            waiter = _Waiter(self.channel, next(self.waiter_ids))
             if not self.subscribing:
                 self.pubsub.subscribe(self.channel)
                 self.subscribing = True
@@ -298,11 +336,11 @@ class _Releases:
         from redis.exceptions import RedisError
 
         with contextlib.suppress(RedisError):
-            _script(self.client, "abandon")(keys=_lock_keys(lock_hash), args=[waiter_id, ""])
+            _scripts(self.client)["abandon"](keys=_lock_keys(lock_hash), args=[waiter_id, "", _now()])
 
 
-# One per process, cache alias and server (tests point an alias at new servers).
-_releases: dict[tuple[int, str, str], _Releases] = {}
+# One per cache alias and server (tests point an alias at new servers), in this process.
+_releases: dict[tuple[str, str], _Releases] = {}
 _releases_lock = threading.Lock()
 
 
@@ -316,6 +354,7 @@ def _forget_releases_after_fork() -> None:
     global _releases_lock
     _releases_lock = threading.Lock()
     for releases in _releases.values():
+        releases.forgotten = True
         if releases.pubsub.connection is not None:
             with contextlib.suppress(Exception):
                 releases.pubsub.connection.disconnect()
@@ -338,6 +377,8 @@ class RedisBackend(BaseLockBackend):
         # event per key, and how long the last failed attempt said to wait.
         self._waiting: dict[str, _Waiter] = {}
         self._wait_hint: dict[str, float] = {}
+        self._client_scripts: dict[str, Any] | None = None
+        self._process_releases: _Releases | None = None
 
     @property
     def client(self) -> Any:
@@ -357,27 +398,34 @@ class RedisBackend(BaseLockBackend):
         except Exception as exc:  # InvalidCacheBackendError and friends
             raise ImproperlyConfigured(f"DISTLOCKS[{self.alias!r}]: cache {self.cache!r}: {exc}") from exc
 
+    def _unavailable(self, exc: Exception) -> BackendUnavailable:
+        return BackendUnavailable(
+            f"Redis of cache {self.cache!r} for locks on {self.alias!r} is unavailable: {exc}", alias=self.alias
+        )
+
     @contextlib.contextmanager
     def _reaching(self) -> Iterator[None]:
         """Turn the driver's connection errors into BackendUnavailable."""
-        from redis.exceptions import ConnectionError, TimeoutError
-
         try:
             yield
-        except (ConnectionError, TimeoutError) as exc:
-            raise BackendUnavailable(
-                f"Redis of cache {self.cache!r} for locks on {self.alias!r} is unavailable: {exc}", alias=self.alias
-            ) from exc
+        except _connection_errors() as exc:
+            raise self._unavailable(exc) from exc
 
-    def _call(self, script: str, keys: list[str], args: list[Any]) -> Any:
-        with self._reaching():
-            return _script(self.client, script)(keys=keys, args=args)
+    def _call(self, script: str, keys: Sequence[str], args: list[Any]) -> Any:
+        """Run ``script``: the lock's hot path, so without a context manager and with the scripts kept."""
+        scripts = self._client_scripts
+        if scripts is None:
+            scripts = self._client_scripts = _scripts(self.client)
+        try:
+            return scripts[script](keys=keys, args=args)
+        except _connection_errors() as exc:
+            raise self._unavailable(exc) from exc
 
     # Keys: the whole key is the hash tag, so all of one lock's keys share a slot.
     def _hash(self, key: str) -> str:
         return f"distlocks:{{{key}}}"
 
-    def _keys(self, key: str) -> list[str]:
+    def _keys(self, key: str) -> tuple[str, str, str]:
         return _lock_keys(self._hash(key))
 
     @staticmethod
@@ -388,29 +436,37 @@ class RedisBackend(BaseLockBackend):
         waiter = self._waiting.get(key)
         if waiter is not None and waiter.token:
             return waiter.token  # a release handed it over
-        entry = "" if waiter is None else waiter.queue_entry(owner, self._ms(ttl))
-        token, wait_ms = self._call("acquire", self._keys(key), [owner.secret, self._ms(ttl), str(owner), entry])
-        if token:
-            return int(token)
-        self._wait_hint[key] = int(wait_ms) / 1000 if int(wait_ms) >= 0 else 1.0
+        lease = self._ms(ttl)
+        args = [owner.secret, lease, str(owner), _now()]
+        if waiter is not None:
+            args += [waiter.queue_entry(owner, lease), "1" if waiter.queued else ""]
+        token = int(self._call("acquire", self._keys(key), args))
+        if token > 0:
+            return token
+        if waiter is not None:
+            waiter.queued = True
+        self._wait_hint[key] = -token / 1000
         return None
 
     def reenter(self, key: str, owner: Owner, ttl: float) -> bool:
         return bool(self._call("reenter", [self._hash(key)], [owner.secret, self._ms(ttl)]))
 
     def release(self, key: str, owner: Owner) -> bool:
-        return int(self._call("release", self._keys(key), [owner.secret])) >= 0
+        return int(self._call("release", self._keys(key), [owner.secret, _now()])) >= 0
 
     def extend(self, key: str, owner: Owner, ttl: float) -> bool:
         return bool(self._call("extend", [self._hash(key)], [owner.secret, self._ms(ttl)]))
 
     def _releases(self) -> _Releases:
-        index = (os.getpid(), self.cache, self.address)
-        with _releases_lock:
-            releases = _releases.get(index)
-            if releases is None:
-                releases = _releases[index] = _Releases(self.client)
-            return releases
+        releases = self._process_releases  # kept: looked up at every acquire that may wait
+        if releases is None or releases.forgotten:
+            index = (self.cache, self.address)
+            with _releases_lock:
+                releases = _releases.get(index)
+                if releases is None:
+                    releases = _releases[index] = _Releases(self.client)
+            self._process_releases = releases
+        return releases
 
     def begin_wait(self, key: str) -> None:
         releases = self._releases()
@@ -447,7 +503,7 @@ class RedisBackend(BaseLockBackend):
         if not acquired and waiter.entry:
             # Leave the queue, passing on the lock if a release handed it over meanwhile.
             with contextlib.suppress(BackendUnavailable):
-                self._call("abandon", self._keys(key), [waiter.id, waiter.entry])
+                self._call("abandon", self._keys(key), [waiter.id, waiter.entry, _now()])
         self._releases().discharge(waiter)
 
     # -- inspection and maintenance --------------------------------------------
@@ -480,7 +536,7 @@ class RedisBackend(BaseLockBackend):
             )
 
     def force_release(self, key: str) -> bool:
-        return bool(self._call("force_release", self._keys(key), []))
+        return bool(self._call("force_release", self._keys(key), [_now()]))
 
     def clear_expired(self, dry_run: bool = False) -> int:
         """Delete fencing counters of locks not held (tokens still grow: they restart from the clock)."""
