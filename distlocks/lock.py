@@ -57,10 +57,18 @@ _local = threading.local()
 def _holds() -> dict[tuple[str, str], Hold]:
     """Return the calling thread's holds, keyed by (alias, key)."""
     holds: dict[tuple[str, str], Hold] | None = getattr(_local, "holds", None)
-    if holds is None or getattr(_local, "pid", None) != os.getpid():
+    if holds is None:
         holds = _local.holds = {}
-        _local.pid = os.getpid()
     return holds
+
+
+def _forget_holds_after_fork() -> None:
+    """A forked child holds nothing: the locks are its parent's."""
+    global _local
+    _local = threading.local()
+
+
+os.register_at_fork(after_in_child=_forget_holds_after_fork)
 
 
 def check_wait(wait: Any) -> float | None:
@@ -150,7 +158,8 @@ class DistributedLock:
         wait = self.wait if wait is _DEFAULT else check_wait(wait)
         backend = self._backend
         owner = current_owner()
-        hold = self._hold()
+        holds = _holds()
+        hold = holds.get((self.alias, self.key))
         if hold is not None:
             if hold.lost or not backend.reenter(self.key, owner, self.ttl):
                 hold.lost = True
@@ -181,7 +190,7 @@ class DistributedLock:
 
         hold = Hold(type(self), self.alias, self.name, self.key, owner, token, self.ttl)
         hold.lease_ends = started + self.ttl
-        _holds()[(self.alias, self.key)] = hold
+        holds[(self.alias, self.key)] = hold
         if self.renew:
             watchdog().watch(hold)
         logger.debug("Acquired lock %r on %r, token %d", self.name, self.alias, token)

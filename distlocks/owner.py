@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import secrets
 import socket
@@ -36,13 +37,27 @@ class Owner:
         """The thread, and the task it runs if any: ``MainThread/140 task 3f2a...``."""
         return f"{self.thread} task {self.task}" if self.task else self.thread
 
-    def __str__(self) -> str:
+    @functools.cached_property
+    def description(self) -> str:
+        """``host:pid:thread``, as backends record it (kept: every acquire sends it)."""
         return f"{self.host}:{self.pid}:{self.thread_label}"
+
+    def __str__(self) -> str:
+        return self.description
+
+
+def _forget_owners_after_fork() -> None:
+    """A forked child is a new owner: its threads draw new secrets."""
+    global _local
+    _local = threading.local()
+
+
+os.register_at_fork(after_in_child=_forget_owners_after_fork)
 
 
 def _thread_owner() -> Owner:
     owner: Owner | None = getattr(_local, "owner", None)
-    if owner is None or owner.pid != os.getpid():
+    if owner is None:
         thread = threading.current_thread()
         owner = Owner(
             host=socket.gethostname(),

@@ -27,13 +27,16 @@ class Watchdog:
     """Renew the leases of the holds it watches, from a daemon thread."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        # Holds come and go at every acquire and release: they take the bare
+        # lock (C-level); the condition on it wakes the thread.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._due: dict[Hold, float] = {}
         self._thread: threading.Thread | None = None
         self._wake_at = 0.0
 
     def watch(self, hold: Hold) -> None:
-        with self._cond:
+        with self._lock:
             due = self._due[hold] = time.monotonic() + hold.ttl / 3
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="distlocks-watchdog", daemon=True)
@@ -50,7 +53,7 @@ class Watchdog:
             self._cond.notify()
 
     def unwatch(self, hold: Hold) -> None:
-        with self._cond:
+        with self._lock:
             self._due.pop(hold, None)
 
     def _run(self) -> None:
