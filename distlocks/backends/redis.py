@@ -31,6 +31,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import math
 import os
 import secrets
 import threading
@@ -48,12 +49,16 @@ from distlocks.owner import Owner
 
 logger = logging.getLogger(__name__)
 
+# A thread that waited for a lock this many seconds ago or less queues at once (see begin_wait).
+WAITED_LATELY = 1.0
+
 # KEYS[1] is the lock hash, KEYS[2] its fencing counter, KEYS[3] its waiters'
 # queue: a sorted set of "channel|waiter id|owner secret|lease ms|owner
 # description" by arrival (ms). Each script's common case runs first and
 # returns: it makes no TIME call and creates no Lua function, which would cost
-# more than the rest of it. "now" in ARGV is the client's clock in seconds,
-# recorded as when the lock was acquired, for operators only.
+# more than the rest of it. When a lock was acquired, shown to operators only,
+# is the acquiring client's clock (ARGV "now", in seconds), or the server's for
+# a hand-over.
 
 # Give the lock to an owner: a new fencing token, one hold, the lease.
 TAKE = """
@@ -78,7 +83,8 @@ end
 PASS_ON = (
     TAKE
     + """
-local function pass_on(now)
+local function pass_on()
+  local now = redis.call('TIME')[1]
   while true do
     local first = redis.call('ZRANGE', KEYS[3], 0, 0)[1]
     if not first then return end
@@ -95,13 +101,13 @@ end
 
 # ARGV[1] the owner's secret, ARGV[2] the lease in ms, ARGV[3] the owner's description,
 # ARGV[4] now; if it waits: ARGV[5] its queue entry, where it queues when not acquired,
-# and ARGV[6] '1' if an earlier attempt queued it
+# and ARGV[6] (any value) if an earlier attempt queued it
 # return the token when acquired; when not, minus the ms to wait at most (one integer: cheaper to read)
 ACQUIRE = (
     TAKE
     + """
 if redis.call('EXISTS', KEYS[1]) == 0 then
-  if ARGV[6] == '1' then redis.call('ZREM', KEYS[3], ARGV[5]) end
+  if ARGV[6] then redis.call('ZREM', KEYS[3], ARGV[5]) end
   return take(ARGV[1], ARGV[2], ARGV[3], ARGV[4])
 end
 local lease_left = redis.call('PTTL', KEYS[1])
@@ -131,7 +137,7 @@ redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
 """
 
-# ARGV[1] the owner's secret, ARGV[2] now
+# ARGV[1] the owner's secret
 # return the holds left (0: released and passed on), -1 if the owner does not hold it
 RELEASE = (
     """
@@ -143,13 +149,13 @@ if redis.call('EXISTS', KEYS[3]) == 0 then return 0 end
 """
     + PASS_ON
     + """
-pass_on(ARGV[2])
+pass_on()
 return 0
 """
 )
 
 # A waiter gives up, or its process got a hand-over for a waiter it no longer has:
-# ARGV[1] the waiter's id, ARGV[2] its queue entry ('' if none), ARGV[3] now.
+# ARGV[1] the waiter's id, ARGV[2] its queue entry ('' if none).
 # It leaves the queue; a lock handed to it and not taken, or a free lock, is passed on.
 # return 1 if it gave back a lock handed to it
 ABANDON = (
@@ -158,10 +164,10 @@ ABANDON = (
 if ARGV[2] ~= '' then redis.call('ZREM', KEYS[3], ARGV[2]) end
 if redis.call('HGET', KEYS[1], 'granted') == ARGV[1] then
   redis.call('DEL', KEYS[1])
-  pass_on(ARGV[3])
+  pass_on()
   return 1
 end
-if redis.call('EXISTS', KEYS[1]) == 0 then pass_on(ARGV[3]) end
+if redis.call('EXISTS', KEYS[1]) == 0 then pass_on() end
 return 0
 """
 )
@@ -173,12 +179,12 @@ if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
 return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 """
 
-# ARGV[1] now / return 1 if it was held
+# return 1 if it was held
 FORCE_RELEASE = (
     PASS_ON
     + """
 if redis.call('DEL', KEYS[1]) == 0 then return 0 end
-pass_on(ARGV[1])
+pass_on()
 return 1
 """
 )
@@ -336,7 +342,7 @@ class _Releases:
         from redis.exceptions import RedisError
 
         with contextlib.suppress(RedisError):
-            _scripts(self.client)["abandon"](keys=_lock_keys(lock_hash), args=[waiter_id, "", _now()])
+            _scripts(self.client)["abandon"](keys=_lock_keys(lock_hash), args=[waiter_id, ""])
 
 
 # One per cache alias and server (tests point an alias at new servers), in this process.
@@ -379,6 +385,7 @@ class RedisBackend(BaseLockBackend):
         self._wait_hint: dict[str, float] = {}
         self._client_scripts: dict[str, Any] | None = None
         self._process_releases: _Releases | None = None
+        self._waited_at = -math.inf
 
     @property
     def client(self) -> Any:
@@ -439,7 +446,9 @@ class RedisBackend(BaseLockBackend):
         lease = self._ms(ttl)
         args = [owner.secret, lease, str(owner), _now()]
         if waiter is not None:
-            args += [waiter.queue_entry(owner, lease), "1" if waiter.queued else ""]
+            args.append(waiter.queue_entry(owner, lease))
+            if waiter.queued:
+                args.append("queued")
         token = int(self._call("acquire", self._keys(key), args))
         if token > 0:
             return token
@@ -452,7 +461,7 @@ class RedisBackend(BaseLockBackend):
         return bool(self._call("reenter", [self._hash(key)], [owner.secret, self._ms(ttl)]))
 
     def release(self, key: str, owner: Owner) -> bool:
-        return int(self._call("release", self._keys(key), [owner.secret, _now()])) >= 0
+        return int(self._call("release", self._keys(key), [owner.secret])) >= 0
 
     def extend(self, key: str, owner: Owner, ttl: float) -> bool:
         return bool(self._call("extend", [self._hash(key)], [owner.secret, self._ms(ttl)]))
@@ -469,9 +478,15 @@ class RedisBackend(BaseLockBackend):
         return releases
 
     def begin_wait(self, key: str) -> None:
-        releases = self._releases()
-        if releases.subscribed.is_set():  # the first attempt can queue it already (no request made here)
-            self._waiting[key] = releases.enlist()
+        """Queue at the first attempt a thread that waited lately: it will likely wait again.
+
+        Joining the queue at once saves a round trip when the lock is taken;
+        when it is free, a plain attempt is cheaper, so others try first.
+        """
+        if time.monotonic() - self._waited_at < WAITED_LATELY:
+            releases = self._releases()
+            if releases.subscribed.is_set():  # no request made here
+                self._waiting[key] = releases.enlist()
 
     def wait(self, key: str, attempt: int, remaining: float | None) -> None:
         """Sleep until a release hands the lock to this waiter or the lease runs out, at most ``remaining``.
@@ -482,6 +497,7 @@ class RedisBackend(BaseLockBackend):
         in the queue, first come first served, and the waiter takes it without
         asking Redis again.
         """
+        self._waited_at = time.monotonic()
         releases = self._releases()
         waiter = self._waiting.get(key)
         if waiter is None:
@@ -503,7 +519,7 @@ class RedisBackend(BaseLockBackend):
         if not acquired and waiter.entry:
             # Leave the queue, passing on the lock if a release handed it over meanwhile.
             with contextlib.suppress(BackendUnavailable):
-                self._call("abandon", self._keys(key), [waiter.id, waiter.entry, _now()])
+                self._call("abandon", self._keys(key), [waiter.id, waiter.entry])
         self._releases().discharge(waiter)
 
     # -- inspection and maintenance --------------------------------------------
@@ -536,7 +552,7 @@ class RedisBackend(BaseLockBackend):
             )
 
     def force_release(self, key: str) -> bool:
-        return bool(self._call("force_release", self._keys(key), [_now()]))
+        return bool(self._call("force_release", self._keys(key), []))
 
     def clear_expired(self, dry_run: bool = False) -> int:
         """Delete fencing counters of locks not held (tokens still grow: they restart from the clock)."""
