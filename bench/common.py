@@ -1,4 +1,4 @@
-"""What the benchmark scripts share: the command line, the timed loop, the start line, the guarded counter."""
+"""What the benchmark scripts share: the command line, the timed loops, the start line, the guarded counter."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+WARM_UP = 0.5  # seconds of untimed contended cycles before the timed ones
 
 
 def arguments(
@@ -49,9 +51,47 @@ def start_together(counter: Path, processes: int) -> None:
     Each calls it after a warm-up cycle (connections made, scripts loaded):
     the contended runs measure contention, not interpreters starting at once.
     """
-    counter.with_name(f"{counter.name}.ready.{os.getpid()}").touch()
-    while len(list(counter.parent.glob(f"{counter.name}.ready.*"))) < processes:
-        time.sleep(0.001)
+    _arrive(counter, "ready", processes, lambda: time.sleep(0.001))
+
+
+def _arrive(counter: Path, where: str, processes: int, meanwhile: Callable[[], object]) -> None:
+    """Say this contender is at ``where``, and run ``meanwhile`` until all ``processes`` are."""
+    counter.with_name(f"{counter.name}.{where}.{os.getpid()}").touch()
+    while len(list(counter.parent.glob(f"{counter.name}.{where}.*"))) < processes:
+        meanwhile()
+
+
+def contend(
+    counter: Path, processes: int, seconds: float, cycle: Callable[[], float | None]
+) -> tuple[list[float], int]:
+    """Run ``cycle`` over and over as one of ``processes`` contenders; return the timed waits and all bumps.
+
+    ``cycle`` acquires the lock, bumps ``counter`` and releases it, returning
+    how long it waited for the lock (None if it failed before bumping). The
+    contenders start together and cycle untimed for ``WARM_UP`` seconds (a
+    process's first wait may set up what waiting needs, such as a connection),
+    then ``seconds`` timed. Then each goes on cycling untimed until all are
+    done, so that every timed wait is under full contention, never beside a
+    contender that has stopped or is exiting.
+    """
+    start_together(counter, processes)
+    waits: list[float] = []
+    bumps = 0
+    timed_from = time.monotonic() + WARM_UP
+    deadline = timed_from + seconds
+    while (now := time.monotonic()) < deadline:
+        wait = cycle()
+        if wait is not None:
+            bumps += 1
+            if now >= timed_from:
+                waits.append(wait)
+
+    def untimed() -> None:
+        nonlocal bumps
+        bumps += cycle() is not None
+
+    _arrive(counter, "done", processes, untimed)
+    return waits, bumps
 
 
 def bump(counter: Path) -> None:

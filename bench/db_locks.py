@@ -5,8 +5,9 @@
 Side by side in one run, on SQLite, MariaDB and PostgreSQL:
 - uncontended: the latency of one acquire + release (median and p90 of every
   cycle, rounds interleaved so that noise hits every contender alike);
-- contended: 4 processes looping on one lock for ``--seconds``, each doing a
-  read-modify-write of a shared counter file inside: total cycles/s, the worst
+- contended: 4 processes on one lock, timed for ``--seconds`` after a warm-up
+  (see ``common.contend``), each doing a read-modify-write of a shared
+  counter file inside: total cycles/s, the worst
   wait for the lock, errors that reached the caller, and lost updates.
 The floor is the server's own lock: MariaDB GET_LOCK/RELEASE_LOCK, PostgreSQL
 pg_advisory_lock/pg_advisory_unlock. django-db-mutex does not wait: its loop
@@ -35,7 +36,7 @@ import django  # noqa: E402
 
 django.setup()
 
-from common import arguments, bump, start_together, time_cycles  # noqa: E402  (bench/ is on sys.path)
+from common import arguments, bump, contend, time_cycles  # noqa: E402  (bench/ is on sys.path)
 from django.core.management import call_command  # noqa: E402
 from django.db import DatabaseError, connections  # noqa: E402
 
@@ -122,27 +123,26 @@ def worker(impl: str, alias: str, name: str, seconds: float, counter: str) -> No
     while not acquire():
         time.sleep(0.001)
     release()
-    start_together(path, PROCESSES)
-    cycles = 0
     errors: list[str] = []
-    worst = 0.0
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+
+    def cycle() -> float | None:
         started = time.monotonic()
         try:
             while not acquire():
                 time.sleep(0.001)
         except DatabaseError as exc:
             errors.append(str(exc)[:80])  # e.g. an InnoDB deadlock (1213) surfaced to the caller
-            continue
-        worst = max(worst, time.monotonic() - started)
+            return None
+        waited = time.monotonic() - started
         bump(path)
         try:
             release()
         except DatabaseError as exc:
             errors.append(str(exc)[:80])
-        cycles += 1
-    print(json.dumps({"cycles": cycles, "worst": worst, "errors": errors}))
+        return waited
+
+    waits, bumps = contend(path, PROCESSES, seconds, cycle)
+    print(json.dumps({"cycles": len(waits), "worst": max(waits, default=0.0), "bumps": bumps, "errors": errors}))
 
 
 def contended(impl: str, alias: str, seconds: float, tmp: Path) -> dict[str, float] | None:
@@ -160,7 +160,7 @@ def contended(impl: str, alias: str, seconds: float, tmp: Path) -> dict[str, flo
         "worst_ms": max(r["worst"] for r in reports) * 1000,
         "errors": sum(len(r["errors"]) for r in reports),
         "error_kinds": sorted({e for r in reports for e in r["errors"]}),
-        "lost_updates": cycles - int(counter.read_text()),
+        "lost_updates": sum(r["bumps"] for r in reports) - int(counter.read_text()),
     }
 
 

@@ -6,8 +6,9 @@
 Side by side in one run, on one Redis server:
 - uncontended: the latency of one acquire + release (median and p90 of every
   cycle, rounds interleaved so that noise hits every contender alike);
-- contended: 4 processes looping on one lock for ``--seconds``, each doing a
-  read-modify-write of a shared counter file inside: total cycles/s, the median,
+- contended: 4 processes on one lock, timed for ``--seconds`` after a warm-up
+  (see ``common.contend``), each doing a read-modify-write of a shared
+  counter file inside: total cycles/s, the median,
   p99 and worst wait for the lock (each the median over ``--contended-rounds``
   interleaved runs), and the lost updates of all runs.
 The floor is a bare ``SET NX PX`` plus an ``EVALSHA`` compare-and-delete: not
@@ -31,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from common import arguments, bump, start_together, time_cycles  # noqa: E402  (bench/ is on sys.path)
+from common import arguments, bump, contend, time_cycles  # noqa: E402  (bench/ is on sys.path)
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -119,16 +120,17 @@ def worker(impl: str, name: str, seconds: float, counter: str) -> None:
     path = Path(counter)
     acquire()
     release()
-    start_together(path, PROCESSES)
-    waits = []
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+
+    def cycle() -> float:
         started = time.monotonic()
         acquire()
-        waits.append(time.monotonic() - started)
+        waited = time.monotonic() - started
         bump(path)
         release()
-    print(json.dumps({"waits": waits}))
+        return waited
+
+    waits, bumps = contend(path, PROCESSES, seconds, cycle)
+    print(json.dumps({"waits": waits, "bumps": bumps}))
 
 
 def contended(impl: str, url: str, seconds: float, tmp: Path) -> dict[str, float]:
@@ -137,13 +139,14 @@ def contended(impl: str, url: str, seconds: float, tmp: Path) -> dict[str, float
     name = f"bench-{uuid.uuid4().hex}"
     command = [sys.executable, __file__, "--url", url, "--worker", impl, name, str(seconds), str(counter)]
     processes = [subprocess.Popen(command, stdout=subprocess.PIPE, text=True) for _ in range(PROCESSES)]
-    waits = [w for p in processes for w in json.loads(p.communicate()[0].splitlines()[-1])["waits"]]
+    reports = [json.loads(p.communicate()[0].splitlines()[-1]) for p in processes]
+    waits = [w for r in reports for w in r["waits"]]
     return {
         "per_second": len(waits) / seconds,
         "median_wait_ms": statistics.median(waits) * 1000,
         "p99_wait_ms": sorted(waits)[int(len(waits) * 0.99)] * 1000,
         "worst_wait_ms": max(waits) * 1000,
-        "lost_updates": len(waits) - int(counter.read_text()),
+        "lost_updates": sum(r["bumps"] for r in reports) - int(counter.read_text()),
     }
 
 

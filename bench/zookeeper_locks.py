@@ -6,8 +6,9 @@ Side by side in one run, on a standalone ZooKeeper that the script starts on
 127.0.0.1:12281 (and stops afterwards):
 - uncontended: the latency of one acquire + release (median and p90 of every
   cycle, rounds interleaved);
-- contended: 4 processes looping on one lock for ``--seconds``, each doing a
-  read-modify-write of a shared counter file inside: total cycles/s, the
+- contended: 4 processes on one lock, timed for ``--seconds`` after a warm-up
+  (see ``common.contend``), each doing a read-modify-write of a shared
+  counter file inside: total cycles/s, the
   median and worst wait, lost updates, and whether the lock went round in
   FIFO order (the share of hand-overs that went to the process that had
   waited longest).
@@ -30,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from common import arguments, bump, start_together, time_cycles  # noqa: E402  (bench/ is on sys.path)
+from common import arguments, bump, contend, time_cycles  # noqa: E402  (bench/ is on sys.path)
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -99,21 +100,22 @@ def worker(impl: str, name: str, seconds: float, counter: str, log: str) -> None
     path = Path(counter)
     acquire()
     release()
-    start_together(path, PROCESSES)
-    waits = []
-    deadline = time.monotonic() + seconds
     with open(log, "a") as events:
-        while time.monotonic() < deadline:
+
+        def cycle() -> float:
             started = time.monotonic()
             events.write(f"ask {os.getpid()}\n")
             events.flush()
             acquire()
             events.write(f"got {os.getpid()}\n")
             events.flush()
-            waits.append(time.monotonic() - started)
+            waited = time.monotonic() - started
             bump(path)
             release()
-    print(json.dumps({"waits": waits}))
+            return waited
+
+        waits, bumps = contend(path, PROCESSES, seconds, cycle)
+    print(json.dumps({"waits": waits, "bumps": bumps}))
 
 
 def fifo_share(log: Path) -> float:
@@ -138,12 +140,13 @@ def contended(impl: str, seconds: float, tmp: Path) -> dict[str, float]:
     name = f"bench-{uuid.uuid4().hex}"
     command = [sys.executable, __file__, "--worker", impl, name, str(seconds), str(counter), str(log)]
     processes = [subprocess.Popen(command, stdout=subprocess.PIPE, text=True) for _ in range(PROCESSES)]
-    waits = [w for p in processes for w in json.loads(p.communicate()[0].splitlines()[-1])["waits"]]
+    reports = [json.loads(p.communicate()[0].splitlines()[-1]) for p in processes]
+    waits = [w for r in reports for w in r["waits"]]
     return {
         "per_second": len(waits) / seconds,
         "median_wait_ms": statistics.median(waits) * 1000,
         "worst_wait_ms": max(waits) * 1000,
-        "lost_updates": len(waits) - int(counter.read_text()),
+        "lost_updates": sum(r["bumps"] for r in reports) - int(counter.read_text()),
         "fifo": fifo_share(log),
     }
 
