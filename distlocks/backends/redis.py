@@ -56,13 +56,13 @@ WAITED_LATELY = 1.0
 # queue: a sorted set of "channel|waiter id|owner secret|lease ms|owner
 # description" by arrival (ms). Each script's common case runs first and
 # returns: it makes no TIME call and creates no Lua function, which would cost
-# more than the rest of it. When a lock was acquired, shown to operators only,
-# is the acquiring client's clock (ARGV "now", in seconds), or the server's for
-# a hand-over.
+# more than the rest of it. The hash's 'info', shown to operators only, is
+# "<when acquired, in seconds> <owner description>": by the acquiring client's
+# clock, or the server's for a hand-over (one argument, one field: cheaper).
 
 # Give the lock to an owner: a new fencing token, one hold, the lease.
 TAKE = """
-local function take(secret, lease, info, now)
+local function take(secret, lease, info)
   local token = redis.call('INCR', KEYS[2])
   if token == 1 then
     -- A new counter (first use, or a restart without persistence): start from
@@ -70,7 +70,7 @@ local function take(secret, lease, info, now)
     local clock = redis.call('TIME')
     token = redis.call('INCRBY', KEYS[2], clock[1] .. string.format('%06d', clock[2]))
   end
-  redis.call('HSET', KEYS[1], 'owner', secret, 'count', 1, 'token', token, 'info', info, 'acquired', now)
+  redis.call('HSET', KEYS[1], 'owner', secret, 'count', 1, 'token', token, 'info', info)
   redis.call('PEXPIRE', KEYS[1], lease)
   return token
 end
@@ -90,7 +90,7 @@ local function pass_on()
     if not first then return end
     redis.call('ZREM', KEYS[3], first)
     local channel, id, secret, lease, info = string.match(first, '^([^|]*)|([^|]*)|([^|]*)|(%d+)|(.*)$')
-    local token = take(secret, lease, info, now)
+    local token = take(secret, lease, now .. ' ' .. info)
     redis.call('HSET', KEYS[1], 'granted', id)
     if redis.call('PUBLISH', channel, string.format('%d %s %s', token, id, KEYS[1])) > 0 then return end
     redis.call('DEL', KEYS[1])
@@ -99,28 +99,28 @@ end
 """
 )
 
-# ARGV[1] the owner's secret, ARGV[2] the lease in ms, ARGV[3] the owner's description,
-# ARGV[4] now; if it waits: ARGV[5] its queue entry, where it queues when not acquired,
-# and ARGV[6] (any value) if an earlier attempt queued it
+# ARGV[1] the owner's secret, ARGV[2] the lease in ms, ARGV[3] the info; if it waits:
+# ARGV[4] its queue entry, where it queues when not acquired, and ARGV[5] (any value)
+# if an earlier attempt queued it
 # return the token when acquired; when not, minus the ms to wait at most (one integer: cheaper to read)
 ACQUIRE = (
     TAKE
     + """
 if redis.call('EXISTS', KEYS[1]) == 0 then
-  if ARGV[6] then redis.call('ZREM', KEYS[3], ARGV[5]) end
-  return take(ARGV[1], ARGV[2], ARGV[3], ARGV[4])
+  if ARGV[5] then redis.call('ZREM', KEYS[3], ARGV[4]) end
+  return take(ARGV[1], ARGV[2], ARGV[3])
 end
 local lease_left = redis.call('PTTL', KEYS[1])
 if lease_left < 1 then lease_left = lease_left < 0 and 1000 or 1 end  -- no lease (set by hand): look again in 1 s
-if not ARGV[5] then return -lease_left end
+if not ARGV[4] then return -lease_left end
 local granted, token = unpack(redis.call('HMGET', KEYS[1], 'granted', 'token'))
-if granted == string.match(ARGV[5], '^[^|]*|([^|]*)|') then
+if granted == string.match(ARGV[4], '^[^|]*|([^|]*)|') then
   -- Handed to this waiter by a release whose message it has not read yet.
   redis.call('HDEL', KEYS[1], 'granted')
   return tonumber(token)
 end
 local clock = redis.call('TIME')
-redis.call('ZADD', KEYS[3], 'NX', clock[1] * 1000 + math.floor(clock[2] / 1000), ARGV[5])
+redis.call('ZADD', KEYS[3], 'NX', clock[1] * 1000 + math.floor(clock[2] / 1000), ARGV[4])
 -- The queue outlives the lease this waiter will sleep through at most.
 local keep = math.max(lease_left, tonumber(ARGV[2])) + 60000
 if redis.call('PTTL', KEYS[3]) < keep then redis.call('PEXPIRE', KEYS[3], keep) end
@@ -218,9 +218,9 @@ def _connection_errors() -> tuple[type[Exception], ...]:
     return ConnectionError, TimeoutError
 
 
-def _now() -> int:
-    """The time a script records as when a lock was acquired (seconds, for operators only)."""
-    return int(time.time())
+def _info(owner: Owner) -> str:
+    """What a lock's hash shows operators: when it was acquired (seconds) and by whom."""
+    return f"{int(time.time())} {owner.description}"
 
 
 @functools.lru_cache(maxsize=4096)  # built at every acquire and release
@@ -444,7 +444,7 @@ class RedisBackend(BaseLockBackend):
         if waiter is not None and waiter.token:
             return waiter.token  # a release handed it over
         lease = self._ms(ttl)
-        args = [owner.secret, lease, str(owner), _now()]
+        args = [owner.secret, lease, _info(owner)]
         if waiter is not None:
             args.append(waiter.queue_entry(owner, lease))
             if waiter.queued:
@@ -540,14 +540,15 @@ class RedisBackend(BaseLockBackend):
             if not fields or lease_ms < 0:
                 continue
             fields = {k.decode(): v.decode() for k, v in fields.items()}
+            acquired, _, owner = fields.get("info", "").partition(" ")
             now = datetime.now(UTC)
             yield LockInfo(
                 alias=self.alias,
                 name=name[len(prefix) : -1],
-                owner=fields.get("info", ""),
+                owner=owner,
                 hold_count=int(fields.get("count", 0)),
                 token=int(fields["token"]) if "token" in fields else None,
-                acquired_at=datetime.fromtimestamp(int(fields["acquired"]), UTC) if "acquired" in fields else None,
+                acquired_at=datetime.fromtimestamp(int(acquired), UTC) if acquired.isdigit() else None,
                 expires_at=now + timedelta(milliseconds=lease_ms),
             )
 
