@@ -39,6 +39,7 @@ class Hold:
     """One thread's hold on one lock: shared by every lock object for that name."""
 
     lock_class: type
+    backend: BaseLockBackend  # the holding thread's: it releases there
     alias: str
     name: str
     key: str
@@ -156,7 +157,7 @@ class DistributedLock:
         the server cannot be reached.
         """
         wait = self.wait if wait is _DEFAULT else check_wait(wait)
-        backend = self._backend
+        backend = locks[self.alias]
         owner = current_owner()
         holds = _holds()
         hold = holds.get((self.alias, self.key))
@@ -188,13 +189,14 @@ class DistributedLock:
         finally:
             backend.end_wait(self.key, acquired=token is not None)
 
-        hold = Hold(type(self), self.alias, self.name, self.key, owner, token, self.ttl)
+        hold = Hold(type(self), backend, self.alias, self.name, self.key, owner, token, self.ttl)
         hold.lease_ends = started + self.ttl
         holds[(self.alias, self.key)] = hold
         if self.renew:
             watchdog().watch(hold)
         logger.debug("Acquired lock %r on %r, token %d", self.name, self.alias, token)
-        lock_acquired.send(sender=type(self), name=self.name, alias=self.alias, token=token)
+        if lock_acquired.receivers:  # sending costs microseconds even to nobody
+            lock_acquired.send(sender=type(self), name=self.name, alias=self.alias, token=token)
         return True
 
     def release(self) -> None:
@@ -213,7 +215,7 @@ class DistributedLock:
             del holds[(self.alias, self.key)]
         if not hold.lost:
             try:
-                hold.lost = not self._backend.release(self.key, hold.owner)
+                hold.lost = not hold.backend.release(self.key, hold.owner)
             except Exception:
                 # Nothing renews the lease any more: it expires on its own.
                 watchdog().unwatch(hold)
@@ -224,7 +226,8 @@ class DistributedLock:
             raise LockLost(self._message("was lost while held"), name=self.name, alias=self.alias)
         if hold.count == 0:
             logger.debug("Released lock %r on %r", self.name, self.alias)
-            lock_released.send(sender=type(self), name=self.name, alias=self.alias, token=hold.token)
+            if lock_released.receivers:
+                lock_released.send(sender=type(self), name=self.name, alias=self.alias, token=hold.token)
 
     def detach(self, lease: float) -> int:
         """Stop holding the lock in this thread without releasing it; return its token.
@@ -253,7 +256,7 @@ class DistributedLock:
         started = time.monotonic()
         if not self._backend.extend(self.key, owner, self.ttl):
             return False
-        hold = Hold(type(self), self.alias, self.name, self.key, owner, token, self.ttl)
+        hold = Hold(type(self), self._backend, self.alias, self.name, self.key, owner, token, self.ttl)
         hold.lease_ends = started + self.ttl
         _holds()[(self.alias, self.key)] = hold
         if self.renew:
