@@ -6,11 +6,13 @@ import os
 import signal
 import threading
 import time
+from datetime import UTC, datetime
 
 import pytest
 from django_redis import get_redis_connection
 
 import distlocks
+from distlocks.backends import redis as redis_backend
 from distlocks.handler import locks
 from distlocks.owner import acting_as, current_owner, task_owner
 
@@ -408,3 +410,60 @@ def test_a_hand_over_to_a_waiter_its_process_forgot_is_given_back(name):
     waiter.join(20)
     assert result == [True]
     assert time.monotonic() - released < 5
+
+
+def test_a_thread_that_waited_lately_queues_at_its_first_attempt(name):
+    holder = distlocks.lock(name, using="redis")
+    holder.acquire()
+    client, queue = _queue(name)
+    seen = []
+
+    def attempt(backend, key, owner):
+        backend.begin_wait(key)
+        assert backend.try_acquire(key, owner, 30.0) is None
+        seen.append(client.zcard(queue))
+        backend.end_wait(key, acquired=False)
+
+    def run():
+        backend, owner = locks["redis"], current_owner()
+        key = backend.make_key(name)
+        attempt(backend, key, owner)  # a thread that never waited tries plainly: not queued
+        backend.wait(key, 0, 1.0)  # it waits (and subscribes the process's channel)
+        backend.end_wait(key, acquired=False)
+        attempt(backend, key, owner)  # now it joins the queue at once
+        backend._waited_at -= redis_backend.WAITED_LATELY
+        attempt(backend, key, owner)  # long ago: plainly again
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(10)
+    holder.release()
+    assert seen == [0, 1, 0]
+    assert client.zcard(queue) == 0
+
+
+def test_inspection_shows_when_a_lock_was_taken_and_handed_over(name):
+    def acquired_at():
+        (info,) = [i for i in locks["redis"].held() if i.name == locks["redis"].make_key(name)]
+        return info.acquired_at
+
+    holder = distlocks.lock(name, using="redis")
+    holder.acquire()
+    taken = acquired_at()
+
+    def take_the_hand_over(backend, key, owner):
+        backend.wait(key, 1, 5.0)
+        token = backend.try_acquire(key, owner, 30.0)
+        backend.end_wait(key, acquired=token is not None)
+        handed_over = acquired_at()
+        backend.release(key, owner)
+        return handed_over
+
+    thread, result = _queued_waiter(name, take_the_hand_over)
+    client, queue = _queue(name)
+    _until(lambda: client.zcard(queue) == 1)
+    holder.release()
+    thread.join(10)
+    now = datetime.now(UTC)
+    assert abs((now - taken).total_seconds()) < 5
+    assert abs((now - result[0]).total_seconds()) < 5  # the server's clock, for a hand-over
