@@ -12,7 +12,7 @@ WARM_UP = 0.5  # seconds of untimed contended cycles before the timed ones
 
 
 def arguments(
-    doc: str | None, worker_args: int, cycles: int = 300, contended_rounds: int | None = None
+    doc: str | None, worker_args: int, cycles: int = 300, rounds: int = 5, contended_rounds: int | None = None
 ) -> argparse.Namespace:
     """Parse the common options; ``--worker`` (hidden) takes ``worker_args`` values.
 
@@ -20,7 +20,7 @@ def arguments(
     """
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cycles", type=int, default=cycles, help="acquire+release cycles per round")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per contender")
+    parser.add_argument("--rounds", type=int, default=rounds, help="interleaved rounds per contender")
     parser.add_argument("--seconds", type=float, default=5, help="length of each contended run")
     if contended_rounds is not None:
         parser.add_argument(
