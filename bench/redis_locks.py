@@ -5,7 +5,8 @@
 
 Side by side in one run, on one Redis server:
 - uncontended: the latency of one acquire + release (median and p90 of every
-  cycle, rounds interleaved so that noise hits every contender alike);
+  cycle, rounds interleaved so that noise hits every contender alike; the
+  ratios are medians of per-round ratios);
 - contended: 4 processes on one lock, timed for ``--seconds`` after a warm-up
   (see ``common.contend``), each doing a read-modify-write of a shared
   counter file inside: total cycles/s, the median,
@@ -173,10 +174,11 @@ def main() -> None:
 
 
 def run(args: argparse.Namespace, Console: Any, Table: Any) -> None:  # noqa: N803
-    samples: dict[str, list[float]] = {impl: [] for impl in IMPLS}
+    rounds: dict[str, list[list[float]]] = {impl: [] for impl in IMPLS}
     for _ in range(args.rounds):
         for impl in IMPLS:
-            samples[impl] += uncontended(impl, args.cycles)
+            rounds[impl].append(uncontended(impl, args.cycles))
+    samples = {impl: [s for r in measured for s in r] for impl, measured in rounds.items()}
     tmp = args.out
     tmp.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[dict[str, float]]] = {impl: [] for impl in IMPLS}
@@ -193,8 +195,17 @@ def run(args: argparse.Namespace, Console: Any, Table: Any) -> None:  # noqa: N8
         for impl, measured in runs.items()
     }
 
-    floor = statistics.median(samples["floor"])
-    single = statistics.median(samples["distlocks"])
+    def ratio(impl: str, to: str) -> float:
+        """The median over rounds of this round's median against the other's in the same round.
+
+        Paired by round, so that the machine slowing down or speeding up
+        between rounds does not show as a difference between locks.
+        """
+        return statistics.median(
+            statistics.median(mine) / statistics.median(theirs)
+            for mine, theirs in zip(rounds[impl], rounds[to], strict=True)
+        )
+
     table = Table(
         title=f"Redis locks on {args.url}: {args.rounds}x{args.cycles} uncontended cycles, "
         f"{PROCESSES} processes x {args.seconds}s contended, median of {args.contended_rounds} runs"
@@ -218,13 +229,13 @@ def run(args: argparse.Namespace, Console: Any, Table: Any) -> None:  # noqa: N8
         values = sorted(samples[impl])
         median = statistics.median(values)
         measured = busy[impl]
-        results.append({"lock": impl, "median_us": median * 1e6, "x_floor": median / floor, **measured})
+        results.append({"lock": impl, "median_us": median * 1e6, "x_floor": ratio(impl, "floor"), **measured})
         table.add_row(
             impl,
             f"{median * 1e6:.0f}",
             f"{values[int(len(values) * 0.9)] * 1e6:.0f}",
-            f"{median / floor:.2f}",
-            f"{median / single:.2f}",
+            f"{ratio(impl, 'floor'):.2f}",
+            f"{ratio(impl, 'distlocks'):.2f}",
             f"{measured['per_second']:.0f}",
             f"{measured['median_wait_ms']:.2f}",
             f"{measured['p99_wait_ms']:.1f}",
