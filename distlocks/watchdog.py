@@ -12,6 +12,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from distlocks.backends.base import on_holds_in_doubt
 from distlocks.signals import lock_lost
 
 if TYPE_CHECKING:
@@ -120,3 +121,4 @@ def _reset_after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)
+on_holds_in_doubt(lambda alias: watchdog().renew_soon())

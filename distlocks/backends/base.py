@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -16,6 +16,21 @@ from django.core.exceptions import ImproperlyConfigured
 from distlocks.owner import Owner
 
 DEFAULT_TTL = 30.0
+
+# Who wants to know that a backend's holds may be gone (the watchdog registers
+# here): backends tell the core through this, and never import it.
+_doubt_listeners: list[Callable[[str], None]] = []
+
+
+def on_holds_in_doubt(listener: Callable[[str], None]) -> None:
+    """Call ``listener(alias)`` whenever a backend says its holds may be gone."""
+    _doubt_listeners.append(listener)
+
+
+def holds_in_doubt(alias: str) -> None:
+    """Say that the holds on ``alias`` may be gone (a suspended or lost session): the core checks them now."""
+    for listener in _doubt_listeners:
+        listener(alias)
 
 
 @dataclass(frozen=True)
@@ -133,8 +148,13 @@ class BaseLockBackend:
         """Yield the locks held right now (for the admin and the commands)."""
         raise NotImplementedError("subclasses of BaseLockBackend may provide a held() method")
 
-    def force_release(self, key: str) -> bool:
-        """Free a lock whoever holds it; return False if it was not held."""
+    def force_release(self, key: str, token: int | None = None) -> bool:
+        """Free a lock whoever holds it; return False if it was not held.
+
+        With ``token``, free it only if it is still that acquisition (its fencing
+        token is ``token``), compared and deleted in one step on the server, so
+        that an operator who chose a lock never frees the next holder's.
+        """
         raise NotImplementedError("subclasses of BaseLockBackend may provide a force_release() method")
 
     def clear_expired(self, dry_run: bool = False) -> int:

@@ -1,0 +1,6 @@
+"""Fault injection: each test breaks something for real and checks what the lock guarantees.
+
+One module per place the fault hits: ``test_core.py`` (signal receivers, the
+watchdog, releases), ``test_db.py``, ``test_redis.py``, ``test_redlock.py`` and
+``test_zookeeper.py``.
+"""
