@@ -23,7 +23,11 @@ def own_redis(settings):
         servers.append(RedisServer(port).start())
         settings.CACHES = {
             **settings.CACHES,
-            "own": {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": f"redis://127.0.0.1:{port}/0", "OPTIONS": options},
+            "own": {
+                "BACKEND": "django_redis.cache.RedisCache",
+                "LOCATION": f"redis://127.0.0.1:{port}/0",
+                "OPTIONS": options,
+            },
         }
         settings.DISTLOCKS = {
             **settings.DISTLOCKS,

@@ -8,13 +8,14 @@ import threading
 import time
 
 import pytest
+from django.core.management import CommandError, call_command
 
 import distlocks
 from distlocks.handler import locks
+from distlocks.inspection import force_release
 from distlocks.signals import lock_acquired, lock_lost
-
-from ..conftest import DB, LEASE_ALIASES, REDIS_PORT
-from .conftest import frozen
+from tests.conftest import ALIASES, DB, LEASE_ALIASES, REDIS_PORT, Holder
+from tests.faults.conftest import frozen
 
 pytestmark = DB
 
@@ -101,9 +102,7 @@ def test_an_interrupted_acquire_leaves_the_lock_free(alias, name, lock_factory):
 
 
 @pytest.mark.parametrize("alias", ["default", "postgresql"], indirect=True)
-def test_a_hung_server_stops_neither_other_renewals_nor_the_loss_of_its_own_locks(
-    alias, name, lock_factory, own_redis
-):
+def test_a_hung_server_stops_neither_other_renewals_nor_the_loss_of_its_own_locks(alias, name, lock_factory, own_redis):
     # No SOCKET_TIMEOUT: a renewal on the frozen server hangs until it wakes.
     server = own_redis(REDIS_PORT + 30, SOCKET_CONNECT_TIMEOUT=1)
     lost = []
@@ -168,3 +167,16 @@ def test_renewals_go_on_when_the_watchdog_threads_are_interrupted(alias, name, l
     assert not free_elsewhere(name, alias)
     lk.release()
     assert free_elsewhere(name, alias)
+
+
+@pytest.mark.parametrize("alias", ALIASES, indirect=True)
+def test_a_force_release_for_a_lock_that_changed_hands_leaves_the_new_holder(alias, name):
+    first = Holder(name, alias)
+    chosen = first.token  # what the operator saw
+    key = first.lock.key
+    assert first.release() is None
+    second = Holder(name, alias)
+    assert not force_release(alias, key, chosen)
+    with pytest.raises(CommandError, match=f"not held with token {chosen}"):
+        call_command("distlocks_release", key, "--using", alias, "--token", str(chosen), "--yes")
+    assert second.release() is None  # it still held it: no LockLost
