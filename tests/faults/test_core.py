@@ -180,3 +180,13 @@ def test_a_force_release_for_a_lock_that_changed_hands_leaves_the_new_holder(ali
     with pytest.raises(CommandError, match=f"not held with token {chosen}"):
         call_command("distlocks_release", key, "--using", alias, "--token", str(chosen), "--yes")
     assert second.release() is None  # it still held it: no LockLost
+
+
+def test_a_thread_that_ends_holding_a_zookeeper_lock_frees_it(name):
+    # A session outlives its threads: nobody else would ever delete the node.
+    lk = distlocks.lock(name, using="zookeeper", ttl=0.6)
+    thread = threading.Thread(target=lk.acquire)
+    thread.start()
+    thread.join()
+    assert not free_elsewhere(name, "zookeeper")
+    until(lambda: free_elsewhere(name, "zookeeper"), seconds=5)
