@@ -76,7 +76,20 @@ def own_aliases(settings, server, *aliases, **options):
             "OPTIONS": {"ROOT": "/distlocks", **options},
         }
     settings.DISTLOCKS = entries
+    for alias in aliases:
+        connect(alias)
     return aliases
+
+
+def connect(alias, within=30):
+    """Open the alias's session: a fresh server may take longer than a short CONNECT_TIMEOUT to answer."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            return locks[alias].ping()
+        except distlocks.BackendUnavailable:
+            if time.monotonic() > deadline:
+                raise
 
 
 def stranger(location):
@@ -235,7 +248,7 @@ def test_drop_frees_the_lock_of_a_thread_that_ended_holding_it_without_blocking_
 
 def test_a_create_answered_after_its_time_out_leaves_no_node_when_the_server_freezes(zk_server, settings, name):
     alias, other = own_aliases(settings, zk_server, "own", "other", SESSION_TIMEOUT=20, CONNECT_TIMEOUT=1)
-    locks[alias].ping()  # connected before the freeze: the create is sent, and waits in the server's socket
+    # Connected before the freeze (own_aliases): the create is sent, and waits in the server's socket.
     zk_server.freeze()
     try:
         with pytest.raises(distlocks.BackendUnavailable):
