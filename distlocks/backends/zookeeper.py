@@ -353,7 +353,7 @@ class ZooKeeperBackend(BaseLockBackend):
             # Gone with a lost session: queue again, at the back.
             node, token = self._queued[key] = self._create(key, owner)
             children = _queue(self._request("get_children", self._parent(key)))
-        if f"{self._parent(key)}/{children[0]}" != node:
+        if not children or f"{self._parent(key)}/{children[0]}" != node:
             return None  # queued: wait() watches the node just below ours
         del self._queued[key]
         with session.lock:

@@ -145,6 +145,21 @@ def test_loss_is_signalled_within_the_session_timeout_when_the_server_freezes(zk
     distlocks.lock(name, using=other).release()
 
 
+def test_the_session_timeout_the_server_negotiated_is_the_one_that_bounds_a_hold(settings):
+    # The tests' servers allow 1 to 60 s: asking for 120 s gets 60, and a hold must give up after 60.
+    entry = dict(settings.DISTLOCKS["zookeeper"])
+    entry["OPTIONS"] = {**entry["OPTIONS"], "SESSION_TIMEOUT": 120}
+    settings.DISTLOCKS = {**settings.DISTLOCKS, "long": entry}
+    locks["long"].ping()
+    index = (os.getpid(), "long", locks["long"].location)
+    try:
+        assert _sessions[index].timeout == 60
+    finally:
+        client = _sessions.pop(index).client
+        client.stop()
+        client.close()
+
+
 # -- 11: re-entering a lock whose node is gone --
 
 
