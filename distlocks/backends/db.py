@@ -119,6 +119,9 @@ class _Statements:
         self.release_last = f"DELETE FROM {table} WHERE {mine} AND hold_count <= 1"
         self.release_one = f"UPDATE {table} SET hold_count = hold_count - 1 WHERE {mine}"
         self.drop_mine = f"DELETE FROM {table} WHERE lock_name = %s AND owner_secret = %s"
+        self.force_release = f"DELETE FROM {table} WHERE lock_name = %s"
+        # Compare and delete in one statement: the next holder's row has another id.
+        self.force_release_token = f"DELETE FROM {table} WHERE lock_name = %s AND id = %s"
 
 
 _statements: dict[str, _Statements] = {}
@@ -167,6 +170,16 @@ class DatabaseBackend(BaseLockBackend):
         self.connect_timeout = self.options.get("CONNECT_TIMEOUT", 5)
         self._connection_alias = f"distlocks:{alias}"
         self._pid = 0
+
+    def make_key(self, name: str) -> str:
+        """Return the key of ``name``; raise ValueError if a database cannot store it.
+
+        PostgreSQL refuses NUL in text and the others would store it; refuse it
+        on every database, so that a name works on all three or on none.
+        """
+        if "\x00" in name:
+            raise ValueError("name must not contain a NUL character ('\\x00'): the database backend cannot store it")
+        return super().make_key(name)
 
     # -- the connection of our own ---------------------------------------------
 
@@ -328,8 +341,14 @@ class DatabaseBackend(BaseLockBackend):
                 expires_at=row.expires_at,
             )
 
-    def force_release(self, key: str) -> bool:
-        return bool(self._run(lambda connection: self._locks(connection.alias).filter(lock_name=key).delete()[0]))
+    def force_release(self, key: str, token: int | None = None) -> bool:
+        def attempt(connection: BaseDatabaseWrapper) -> bool:
+            sql = _sql(connection)
+            if token is None:
+                return _execute(connection, sql.force_release, [key]) > 0
+            return _execute(connection, sql.force_release_token, [key, token]) > 0
+
+        return self._run(attempt)
 
     def clear_expired(self, dry_run: bool = False) -> int:
         def attempt(connection: BaseDatabaseWrapper) -> int:

@@ -1,0 +1,96 @@
+"""Database backend faults: session time zones, forks, killed sessions, locked tables, collations."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from django.db import connections
+
+import distlocks
+from distlocks.handler import locks
+from tests.conftest import DB, DB_ALIASES, Holder
+from tests.test_lock import in_thread
+
+pytestmark = DB
+
+# The databases with a server: sessions that can be killed, tables that can be locked.
+servers = pytest.mark.parametrize("alias", ["mariadb", "postgresql"], indirect=True)
+
+
+def lock_connection(alias):
+    """The calling thread's lock connection on ``alias`` (opened, not yet connected, if new)."""
+    return connections[locks[alias]._using()]
+
+
+def session_id(connection):
+    """The server's id of ``connection``'s session (it connects if needed)."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT CONNECTION_ID()" if connection.vendor == "mysql" else "SELECT pg_backend_pid()")
+        return cursor.fetchone()[0]
+
+
+def session_alive(alias, session):
+    with connections[alias].cursor() as cursor:
+        if connections[alias].vendor == "mysql":
+            cursor.execute("SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE ID = %s", [session])
+        else:
+            cursor.execute("SELECT COUNT(*) FROM pg_stat_activity WHERE pid = %s", [session])
+        return cursor.fetchone()[0] > 0
+
+
+def kill_session(alias, session):
+    """End a session on the server, as ``wait_timeout`` or an operator would, and wait until it is gone."""
+    with connections[alias].cursor() as cursor:
+        if connections[alias].vendor == "mysql":
+            cursor.execute(f"KILL {int(session)}")
+        else:
+            cursor.execute("SELECT pg_terminate_backend(%s, 5000)", [session])
+    deadline = time.monotonic() + 10
+    while session_alive(alias, session):
+        assert time.monotonic() < deadline, f"session {session} still alive"
+        time.sleep(0.01)
+
+
+def take(name, alias, wait=0):
+    """Acquire and release ``name`` in the calling thread; return whether it was acquired."""
+    lk = distlocks.lock(name, using=alias, renew=False)
+    if not lk.acquire(wait=wait):
+        return False
+    lk.release()
+    return True
+
+
+def held_row(alias, key):
+    return next(info for info in locks[alias].held() if info.name == key)
+
+
+def set_time_zone(connection, zone):
+    with connection.cursor() as cursor:
+        cursor.execute("SET time_zone = %s", [zone])
+
+
+# -- 22: a NUL in a name is refused at once --------------------------------------
+
+
+@pytest.mark.parametrize("alias", DB_ALIASES, indirect=True)
+def test_value_error_names_the_argument_when_name_contains_nul(alias):
+    with pytest.raises(ValueError, match=r"^name must not contain"):
+        distlocks.lock("stock\x0042", using=alias)
+
+
+# -- 20: force-release compares the token and deletes in one statement -----------
+
+
+@pytest.mark.parametrize("alias", DB_ALIASES, indirect=True)
+def test_new_holder_keeps_the_lock_when_force_release_has_a_stale_token(alias, name):
+    first = distlocks.lock(name, using=alias, renew=False)
+    assert first.acquire(wait=0)
+    stale = first.token
+    first.release()
+    holder = Holder(name, alias, renew=False)
+    backend = locks[alias]
+    assert backend.force_release(first.key, token=stale) is False
+    assert in_thread(lambda: take(name, alias)) is False
+    assert backend.force_release(first.key, token=holder.token) is True
+    assert isinstance(holder.release(), distlocks.LockLost)
