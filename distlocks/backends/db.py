@@ -26,7 +26,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS, IntegrityError, OperationalError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import QuerySet
-from django.db.models.functions import Now
+from django.db.models.expressions import RawSQL
 from django.db.utils import InterfaceError
 from django.utils.connection import ConnectionDoesNotExist
 
@@ -93,7 +93,9 @@ class _Statements:
         vendor = connection.vendor
         table = connection.ops.quote_name(Lock._meta.db_table)
         if vendor == "mysql":
-            now, later = "CURRENT_TIMESTAMP(6)", "CURRENT_TIMESTAMP(6) + INTERVAL %s MICROSECOND"
+            # UTC whatever the session's time zone, so a DST change on the server
+            # neither ends nor stretches a lease; Django reads DATETIME as UTC.
+            now, later = "UTC_TIMESTAMP(6)", "UTC_TIMESTAMP(6) + INTERVAL %s MICROSECOND"
             self.lease: Callable[[float], Any] = lambda ttl: round(ttl * 1_000_000)
         elif vendor == "postgresql":
             now, later = "STATEMENT_TIMESTAMP()", "STATEMENT_TIMESTAMP() + %s * INTERVAL '1 microsecond'"
@@ -105,6 +107,7 @@ class _Statements:
             self.lease = lambda ttl: f"+{ttl:.3f} seconds"
         else:
             raise ImproperlyConfigured(f"the database lock backend does not support {connection.display_name}")
+        self.now = now
         returning = " RETURNING id" if vendor == "postgresql" else ""
         mine = f"lock_name = %s AND owner_secret = %s AND expires_at > {now}"
         self.returning = bool(returning)
@@ -210,7 +213,8 @@ class DatabaseBackend(BaseLockBackend):
         return self._connection_alias
 
     def _open_like(self, base: BaseDatabaseWrapper) -> BaseDatabaseWrapper:
-        settings_dict = {**base.settings_dict, "ATOMIC_REQUESTS": False, "AUTOCOMMIT": True}
+        # TIME_ZONE None: read the rows' datetimes as the UTC they are stored in.
+        settings_dict = {**base.settings_dict, "ATOMIC_REQUESTS": False, "AUTOCOMMIT": True, "TIME_ZONE": None}
         options = dict(settings_dict.get("OPTIONS") or {})
         if base.vendor in ("mysql", "postgresql"):
             options.setdefault("connect_timeout", self.connect_timeout)
@@ -251,6 +255,12 @@ class DatabaseBackend(BaseLockBackend):
         from distlocks.models import Lock
 
         return Lock.objects.using(using)
+
+    def _live(self, connection: BaseDatabaseWrapper, live: bool) -> QuerySet[Lock]:
+        """The rows whose lease has not run out (``live``) or has, by the lock statements' clock."""
+        now = RawSQL(_sql(connection).now, ())
+        locks = self._locks(connection.alias)
+        return locks.filter(expires_at__gt=now) if live else locks.filter(expires_at__lte=now)
 
     def try_acquire(self, key: str, owner: Owner, ttl: float) -> int | None:
         def attempt(connection: BaseDatabaseWrapper) -> int | None:
@@ -327,9 +337,7 @@ class DatabaseBackend(BaseLockBackend):
     # -- inspection and maintenance --------------------------------------------
 
     def held(self) -> Iterator[LockInfo]:
-        rows: list[Lock] = self._run(
-            lambda connection: list(self._locks(connection.alias).filter(expires_at__gt=Now()))
-        )
+        rows: list[Lock] = self._run(lambda connection: list(self._live(connection, True)))
         for row in rows:
             yield LockInfo(
                 alias=self.alias,
@@ -352,7 +360,7 @@ class DatabaseBackend(BaseLockBackend):
 
     def clear_expired(self, dry_run: bool = False) -> int:
         def attempt(connection: BaseDatabaseWrapper) -> int:
-            expired = self._locks(connection.alias).filter(expires_at__lte=Now())
+            expired = self._live(connection, False)
             return expired.count() if dry_run else expired.delete()[0]
 
         return self._run(attempt)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import time
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from django.db import connections
 
 import distlocks
 from distlocks.handler import locks
+from distlocks.owner import current_owner
 from tests.conftest import DB, DB_ALIASES, Holder
 from tests.test_lock import in_thread
 
@@ -68,6 +70,32 @@ def held_row(alias, key):
 def set_time_zone(connection, zone):
     with connection.cursor() as cursor:
         cursor.execute("SET time_zone = %s", [zone])
+
+
+# -- 6: MySQL/MariaDB leases in UTC, whatever the session's time zone -----------
+
+
+@pytest.mark.parametrize("alias", ["mariadb"], indirect=True)
+def test_lease_is_utc_and_lasts_ttl_when_session_time_zone_changes(alias, name):
+    connection = lock_connection(alias)
+    set_time_zone(connection, "+05:00")
+    lk = distlocks.lock(name, using=alias, ttl=2, renew=False)
+    before = datetime.now(UTC)
+    assert lk.acquire(wait=0)
+    row = held_row(alias, lk.key)
+    assert before - timedelta(seconds=5) < row.acquired_at < datetime.now(UTC) + timedelta(seconds=5)
+    assert (row.expires_at - row.acquired_at).total_seconds() == pytest.approx(2, abs=0.1)
+
+    # A DST jump forward (+5 h) between acquire and renewal: the lease is still ours...
+    set_time_zone(connection, "+10:00")
+    assert locks[alias].extend(lk.key, current_owner(), 2)
+    # ...and a jump back (-15 h) does not stretch it: another session gets the lock once ttl is over.
+    set_time_zone(connection, "-05:00")
+    renewed = time.monotonic()
+    assert in_thread(lambda: take(name, alias, wait=10))
+    assert time.monotonic() - renewed < 5
+    with pytest.raises(distlocks.LockLost):
+        lk.release()
 
 
 # -- 22: a NUL in a name is refused at once --------------------------------------
