@@ -98,6 +98,24 @@ def test_lease_is_utc_and_lasts_ttl_when_session_time_zone_changes(alias, name):
         lk.release()
 
 
+# -- 19: names compare byte for byte ---------------------------------------------
+
+
+@pytest.mark.parametrize("alias", DB_ALIASES, indirect=True)
+@pytest.mark.parametrize("pair", [("Stock", "stock"), ("a", "a "), ("café", "cafe")])
+def test_names_are_distinct_locks_when_they_differ_only_in_case_trailing_space_or_accent(alias, name, pair):
+    first, second = (f"{name}:{suffix}" for suffix in pair)
+    holder = Holder(first, alias)
+    lk = distlocks.lock(second, using=alias, renew=False)
+    try:
+        assert lk.acquire(wait=0), f"{second!r} is taken by the holder of {first!r}"
+        names = {info.name for info in locks[alias].held()}
+        assert {first, second} <= names
+        lk.release()
+    finally:
+        assert holder.release() is None
+
+
 # -- 22: a NUL in a name is refused at once --------------------------------------
 
 
