@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from django.conf import settings
 from django.db import connections
+from django.test import override_settings
 
 import distlocks
 from distlocks.handler import locks
@@ -96,6 +100,77 @@ def test_lease_is_utc_and_lasts_ttl_when_session_time_zone_changes(alias, name):
     assert time.monotonic() - renewed < 5
     with pytest.raises(distlocks.LockLost):
         lk.release()
+
+
+# -- 3: every statement is bounded in time ---------------------------------------
+
+
+@contextlib.contextmanager
+def table_locked(alias, most=10):
+    """Hold a table lock on the lock table from another session, for at most ``most`` seconds."""
+    locked, stop = threading.Event(), threading.Event()
+    errors = []
+
+    def hold():
+        connection = connections.create_connection(alias)
+        try:
+            with connection.cursor() as cursor:
+                if connection.vendor == "mysql":
+                    cursor.execute("LOCK TABLES distlocks_lock WRITE")
+                    locked.set()
+                    stop.wait(most)
+                    cursor.execute("UNLOCK TABLES")
+                else:
+                    cursor.execute("BEGIN")
+                    cursor.execute("LOCK TABLE distlocks_lock IN ACCESS EXCLUSIVE MODE")
+                    locked.set()
+                    stop.wait(most)
+                    cursor.execute("ROLLBACK")
+        except Exception as exc:
+            errors.append(exc)
+            locked.set()
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    assert locked.wait(10)
+    assert not errors, errors
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(30)
+
+
+def timed(call):
+    """Run ``call``; return (its result or the LockError it raised, seconds it took)."""
+    started = time.monotonic()
+    try:
+        outcome = call()
+    except distlocks.LockError as exc:
+        outcome = exc
+    return outcome, time.monotonic() - started
+
+
+@servers
+def test_acquire_and_extend_end_within_timeout_when_lock_table_is_locked(alias, name):
+    bounded = {"BACKEND": settings.DISTLOCKS[alias]["BACKEND"], "OPTIONS": {"DATABASE": alias, "TIMEOUT": 1}}
+    with override_settings(DISTLOCKS={**settings.DISTLOCKS, "bounded": bounded}):
+        held = distlocks.lock(name, using="bounded", ttl=30, renew=False)
+        assert held.acquire(wait=0)
+        other = distlocks.lock(f"{name}-other", using="bounded", renew=False)
+        with table_locked(alias):
+            outcome, seconds = timed(lambda: other.acquire(wait=0))
+            assert outcome is False or isinstance(outcome, distlocks.BackendUnavailable), outcome
+            assert seconds < 5
+            outcome, seconds = timed(lambda: locks["bounded"].extend(held.key, current_owner(), 30))
+            assert isinstance(outcome, distlocks.BackendUnavailable), outcome
+            assert seconds < 5
+        # Once the table is free again, the same connection goes on.
+        held.release()
+        assert other.acquire(wait=0)
+        other.release()
 
 
 # -- 19: names compare byte for byte ---------------------------------------------
