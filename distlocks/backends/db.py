@@ -18,6 +18,7 @@ import contextlib
 import math
 import os
 import random
+import select
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -83,6 +84,30 @@ def close_connections() -> None:
     """Close every lock connection of this process (each reopens when next used)."""
     with _opened_lock:
         for _, connection in _opened:
+            connection.close()
+
+
+def _close_if_dropped(connection: BaseDatabaseWrapper) -> None:
+    """Close ``connection`` if the server ended its session while it was idle; the next statement reconnects.
+
+    An idle connection has nothing to read: a readable socket means the server
+    closed it (``wait_timeout``, ``KILL``, a restart, a proxy) or sent something
+    unasked, which a ping tells apart. So no statement is sent on a dead session,
+    and none is ever in doubt for that reason. While the connection is healthy
+    this costs one ``poll()`` and no round trip.
+    """
+    raw = connection.connection
+    if raw is None:
+        return
+    try:
+        poller = select.poll()
+        poller.register(raw.fileno(), select.POLLIN)
+        if not poller.poll(0):
+            return
+    except Exception:  # a driver connection closed underneath has no socket
+        pass
+    if not connection.is_usable():
+        with contextlib.suppress(DatabaseError):
             connection.close()
 
 
@@ -295,6 +320,8 @@ class DatabaseBackend(BaseLockBackend):
         """
         using = self._using()
         connection = connections[using]
+        if using == self._connection_alias:
+            _close_if_dropped(connection)
         error: Exception | None = None
         for _ in range(_BUSY_RETRIES):
             try:

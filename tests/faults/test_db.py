@@ -102,6 +102,21 @@ def test_lease_is_utc_and_lasts_ttl_when_session_time_zone_changes(alias, name):
         lk.release()
 
 
+# -- 15: a session the server dropped while idle is reopened ---------------------
+
+
+@servers
+def test_operations_succeed_when_server_ended_idle_lock_session(alias, name):
+    lk = distlocks.lock(name, using=alias, renew=False)
+    kill_session(alias, session_id(lock_connection(alias)))
+    assert lk.acquire(wait=0)
+    kill_session(alias, session_id(lock_connection(alias)))
+    assert locks[alias].extend(lk.key, current_owner(), 30)
+    kill_session(alias, session_id(lock_connection(alias)))
+    lk.release()
+    assert in_thread(lambda: take(name, alias))
+
+
 # -- 3: every statement is bounded in time ---------------------------------------
 
 
