@@ -2,8 +2,28 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.db import models
+from django.db.backends.base.base import BaseDatabaseWrapper
 from django.utils.translation import gettext_lazy as _
+
+
+class LockNameField(models.CharField):
+    """A CharField that compares byte for byte on every database.
+
+    MySQL/MariaDB collations fold case and accents and ignore trailing spaces,
+    which would make ``Stock``, ``stock`` and ``stock `` one lock: there the
+    column (and so its unique index) gets a binary NO PAD collation. SQLite's
+    BINARY and PostgreSQL's deterministic collations compare bytes already.
+    """
+
+    def db_parameters(self, connection: BaseDatabaseWrapper) -> dict[str, Any]:
+        params = super().db_parameters(connection)
+        if connection.vendor == "mysql" and self.db_collation is None:
+            mariadb = connection.mysql_is_mariadb  # type: ignore[attr-defined]
+            params["collation"] = "utf8mb4_nopad_bin" if mariadb else "utf8mb4_0900_bin"
+        return params
 
 
 class Lock(models.Model):
@@ -14,7 +34,7 @@ class Lock(models.Model):
     """
 
     id = models.BigAutoField(primary_key=True, verbose_name=_("fencing token"))
-    lock_name = models.CharField(_("lock name"), max_length=255, unique=True)
+    lock_name = LockNameField(_("lock name"), max_length=255, unique=True)
     owner_host = models.CharField(_("owner host"), max_length=255)
     owner_pid = models.PositiveIntegerField(_("owner pid"))
     owner_thread = models.CharField(_("owner thread"), max_length=255)

@@ -14,8 +14,11 @@ at most ``CONNECT_TIMEOUT`` seconds (default 5).
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import random
+import select
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -23,14 +26,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
-from django.db import DEFAULT_DB_ALIAS, IntegrityError, OperationalError, connections
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, IntegrityError, OperationalError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.backends.signals import connection_created
 from django.db.models import QuerySet
-from django.db.models.functions import Now
+from django.db.models.expressions import RawSQL
 from django.db.utils import InterfaceError
 from django.utils.connection import ConnectionDoesNotExist
 
-from distlocks.backends.base import BaseLockBackend, LockInfo
+from distlocks.backends.base import BaseLockBackend, LockInfo, check_positive_number
 from distlocks.exceptions import BackendUnavailable
 from distlocks.owner import Owner
 
@@ -40,17 +44,25 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 # Errors that mean "someone else was busy with this row": the attempt counts as
-# failed and is retried, never shown to the caller (MySQL deadlock 1213 and lock
-# wait timeout 1205, PostgreSQL deadlock / serialization / lock not available,
-# SQLite's busy database).
-_MYSQL_BUSY = {1205, 1213}
-_POSTGRES_BUSY = {"40001", "40P01", "55P03"}
+# failed and is retried, never shown to the caller (MySQL deadlock 1213,
+# PostgreSQL deadlock / serialization failure, SQLite's busy database).
+_MYSQL_BUSY = {1213}
+_POSTGRES_BUSY = {"40001", "40P01"}
 _SQLITE_BUSY = ("database is locked", "database table is locked")
+# Errors that mean a statement waited ``TIMEOUT`` seconds for a lock or ran that
+# long (MySQL lock wait timeout 1205, PostgreSQL lock_timeout 55P03 and
+# statement_timeout 57014): not retried, the time is up.
+_MYSQL_TIMED_OUT = {1205}
+_POSTGRES_TIMED_OUT = {"55P03", "57014"}
 # Waiters poll from 1 ms, doubling up to 20 ms between reads.
 _POLL_FIRST = 0.001
 _POLL_MAX = 0.02
 # How often a busy write statement is retried before the attempt counts as failed.
 _BUSY_RETRIES = 5
+# OPTIONS['TIMEOUT'] by default: seconds a lock statement may wait or run.
+DEFAULT_TIMEOUT = 5.0
+# Where a lock connection's settings carry its TIMEOUT, for ``_bound_lock_waits``.
+_TIMEOUT_KEY = "DISTLOCKS_TIMEOUT"
 
 
 # Every lock connection with the thread it serves: a thread that ended without
@@ -75,6 +87,30 @@ def close_connections() -> None:
             connection.close()
 
 
+def _close_if_dropped(connection: BaseDatabaseWrapper) -> None:
+    """Close ``connection`` if the server ended its session while it was idle; the next statement reconnects.
+
+    An idle connection has nothing to read: a readable socket means the server
+    closed it (``wait_timeout``, ``KILL``, a restart, a proxy) or sent something
+    unasked, which a ping tells apart. So no statement is sent on a dead session,
+    and none is ever in doubt for that reason. While the connection is healthy
+    this costs one ``poll()`` and no round trip.
+    """
+    raw = connection.connection
+    if raw is None:
+        return
+    try:
+        poller = select.poll()
+        poller.register(raw.fileno(), select.POLLIN)
+        if not poller.poll(0):
+            return
+    except Exception:  # a driver connection closed underneath has no socket
+        pass
+    if not connection.is_usable():
+        with contextlib.suppress(DatabaseError):
+            connection.close()
+
+
 def _in_memory(connection: BaseDatabaseWrapper) -> bool:
     return connection.vendor == "sqlite" and bool(connection.creation.is_in_memory_db(connection.settings_dict["NAME"]))  # type: ignore[attr-defined]
 
@@ -93,7 +129,9 @@ class _Statements:
         vendor = connection.vendor
         table = connection.ops.quote_name(Lock._meta.db_table)
         if vendor == "mysql":
-            now, later = "CURRENT_TIMESTAMP(6)", "CURRENT_TIMESTAMP(6) + INTERVAL %s MICROSECOND"
+            # UTC whatever the session's time zone, so a DST change on the server
+            # neither ends nor stretches a lease; Django reads DATETIME as UTC.
+            now, later = "UTC_TIMESTAMP(6)", "UTC_TIMESTAMP(6) + INTERVAL %s MICROSECOND"
             self.lease: Callable[[float], Any] = lambda ttl: round(ttl * 1_000_000)
         elif vendor == "postgresql":
             now, later = "STATEMENT_TIMESTAMP()", "STATEMENT_TIMESTAMP() + %s * INTERVAL '1 microsecond'"
@@ -105,6 +143,7 @@ class _Statements:
             self.lease = lambda ttl: f"+{ttl:.3f} seconds"
         else:
             raise ImproperlyConfigured(f"the database lock backend does not support {connection.display_name}")
+        self.now = now
         returning = " RETURNING id" if vendor == "postgresql" else ""
         mine = f"lock_name = %s AND owner_secret = %s AND expires_at > {now}"
         self.returning = bool(returning)
@@ -119,6 +158,9 @@ class _Statements:
         self.release_last = f"DELETE FROM {table} WHERE {mine} AND hold_count <= 1"
         self.release_one = f"UPDATE {table} SET hold_count = hold_count - 1 WHERE {mine}"
         self.drop_mine = f"DELETE FROM {table} WHERE lock_name = %s AND owner_secret = %s"
+        self.force_release = f"DELETE FROM {table} WHERE lock_name = %s"
+        # Compare and delete in one statement: the next holder's row has another id.
+        self.force_release_token = f"DELETE FROM {table} WHERE lock_name = %s AND id = %s"
 
 
 _statements: dict[str, _Statements] = {}
@@ -148,12 +190,42 @@ RAISE = _Raise()
 def _is_busy(exc: Exception | None) -> bool:
     if exc is None:
         return False
-    cause = exc.__cause__
-    if cause is not None and getattr(cause, "sqlstate", None) in _POSTGRES_BUSY:
+    if getattr(exc.__cause__, "sqlstate", None) in _POSTGRES_BUSY:
         return True
     if exc.args and exc.args[0] in _MYSQL_BUSY:
         return True
     return any(text in str(exc) for text in _SQLITE_BUSY)
+
+
+def _timed_out(exc: Exception | None) -> bool:
+    if exc is None:
+        return False
+    if getattr(exc.__cause__, "sqlstate", None) in _POSTGRES_TIMED_OUT:
+        return True
+    return bool(exc.args and exc.args[0] in _MYSQL_TIMED_OUT)
+
+
+def _bound_lock_waits(sender: object, connection: BaseDatabaseWrapper, **kwargs: Any) -> None:
+    """Once a lock connection is open, end its lock waits and statements after ``TIMEOUT`` on the server.
+
+    Done here rather than in the connection's options: neither startup options
+    (PgBouncer refuses them) nor a second ``init_command`` (MySQL) can be relied on.
+    """
+    timeout = connection.settings_dict.get(_TIMEOUT_KEY)
+    if timeout is None:
+        return
+    with connection.cursor() as cursor:
+        if connection.vendor == "mysql":
+            seconds = math.ceil(timeout)  # whole seconds only
+            cursor.execute("SET SESSION lock_wait_timeout = %s, innodb_lock_wait_timeout = %s", [seconds, seconds])
+        elif connection.vendor == "postgresql":
+            ms = f"{math.ceil(timeout * 1000)}ms"
+            cursor.execute(
+                "SELECT set_config('lock_timeout', %s, false), set_config('statement_timeout', %s, false)", [ms, ms]
+            )
+
+
+connection_created.connect(_bound_lock_waits, dispatch_uid="distlocks.backends.db.bound_lock_waits")
 
 
 class DatabaseBackend(BaseLockBackend):
@@ -165,8 +237,22 @@ class DatabaseBackend(BaseLockBackend):
         super().__init__(alias, params)
         self.database: str = self.options.get("DATABASE", DEFAULT_DB_ALIAS)
         self.connect_timeout = self.options.get("CONNECT_TIMEOUT", 5)
+        try:
+            self.timeout = check_positive_number(self.options.get("TIMEOUT", DEFAULT_TIMEOUT), "OPTIONS['TIMEOUT']")
+        except ValueError as exc:
+            raise ImproperlyConfigured(f"DISTLOCKS[{alias!r}]: {exc}") from exc
         self._connection_alias = f"distlocks:{alias}"
         self._pid = 0
+
+    def make_key(self, name: str) -> str:
+        """Return the key of ``name``; raise ValueError if a database cannot store it.
+
+        PostgreSQL refuses NUL in text and the others would store it; refuse it
+        on every database, so that a name works on all three or on none.
+        """
+        if "\x00" in name:
+            raise ValueError("name must not contain a NUL character ('\\x00'): the database backend cannot store it")
+        return super().make_key(name)
 
     # -- the connection of our own ---------------------------------------------
 
@@ -197,36 +283,60 @@ class DatabaseBackend(BaseLockBackend):
         return self._connection_alias
 
     def _open_like(self, base: BaseDatabaseWrapper) -> BaseDatabaseWrapper:
-        settings_dict = {**base.settings_dict, "ATOMIC_REQUESTS": False, "AUTOCOMMIT": True}
+        # TIME_ZONE None: read the rows' datetimes as the UTC they are stored in.
+        settings_dict = {**base.settings_dict, "ATOMIC_REQUESTS": False, "AUTOCOMMIT": True, "TIME_ZONE": None}
         options = dict(settings_dict.get("OPTIONS") or {})
         if base.vendor in ("mysql", "postgresql"):
             options.setdefault("connect_timeout", self.connect_timeout)
+            settings_dict[_TIMEOUT_KEY] = self.timeout
+        # The client gives up on a server that stopped answering: a second after
+        # the server's own timeouts, which would have answered by then.
+        seconds = math.ceil(self.timeout) + 1
+        if base.vendor == "mysql":
+            options.setdefault("read_timeout", seconds)
+            options.setdefault("write_timeout", seconds)
+        elif base.vendor == "postgresql":
+            # libpq has no read timeout: TCP keepalives and tcp_user_timeout
+            # detect a dead host or a broken network while a statement waits.
+            for option, value in [
+                ("keepalives", 1),
+                ("keepalives_idle", seconds),
+                ("keepalives_interval", 1),
+                ("keepalives_count", 3),
+                ("tcp_user_timeout", seconds * 1000),
+            ]:
+                options.setdefault(option, value)
         settings_dict["OPTIONS"] = options
         return type(base)(settings_dict, alias=self._connection_alias)
 
     def _run(self, operation: Callable[[BaseDatabaseWrapper], T], *, when_busy: T | _Raise = RAISE) -> T:
         """Run ``operation(connection)``, mapping driver errors to lock semantics.
 
-        A busy database (deadlock, lock wait) is retried a few times, then the
-        answer is ``when_busy`` (for an attempt to acquire: not acquired) or
-        BackendUnavailable; so is an unreachable database.
+        A busy database (deadlock) is retried a few times; then, or when a
+        statement ran out of ``TIMEOUT``, the answer is ``when_busy`` (for an
+        attempt to acquire: not acquired) or BackendUnavailable. Any other error
+        closes our connection (the next call opens a new one) and raises
+        BackendUnavailable.
         """
         using = self._using()
+        connection = connections[using]
+        if using == self._connection_alias:
+            _close_if_dropped(connection)
         error: Exception | None = None
         for _ in range(_BUSY_RETRIES):
             try:
-                return operation(connections[using])
+                return operation(connection)
             except (OperationalError, InterfaceError) as exc:
                 error = exc
                 if _is_busy(exc):
                     continue
                 if "no such table" in str(exc):
                     raise
-                if using == self._connection_alias:
-                    connections[using].close_if_unusable_or_obsolete()
-                    self._pid = 0  # open a fresh connection next time
+                if using == self._connection_alias and not _timed_out(exc):
+                    with contextlib.suppress(DatabaseError):
+                        connection.close()
                 break
-        if _is_busy(error) and not isinstance(when_busy, _Raise):
+        if (_is_busy(error) or _timed_out(error)) and not isinstance(when_busy, _Raise):
             return when_busy
         raise BackendUnavailable(
             f"Database {self.database!r} for locks on {self.alias!r} is unavailable: {error}", alias=self.alias
@@ -238,6 +348,12 @@ class DatabaseBackend(BaseLockBackend):
         from distlocks.models import Lock
 
         return Lock.objects.using(using)
+
+    def _live(self, connection: BaseDatabaseWrapper, live: bool) -> QuerySet[Lock]:
+        """The rows whose lease has not run out (``live``) or has, by the lock statements' clock."""
+        now = RawSQL(_sql(connection).now, ())
+        locks = self._locks(connection.alias)
+        return locks.filter(expires_at__gt=now) if live else locks.filter(expires_at__lte=now)
 
     def try_acquire(self, key: str, owner: Owner, ttl: float) -> int | None:
         def attempt(connection: BaseDatabaseWrapper) -> int | None:
@@ -314,9 +430,7 @@ class DatabaseBackend(BaseLockBackend):
     # -- inspection and maintenance --------------------------------------------
 
     def held(self) -> Iterator[LockInfo]:
-        rows: list[Lock] = self._run(
-            lambda connection: list(self._locks(connection.alias).filter(expires_at__gt=Now()))
-        )
+        rows: list[Lock] = self._run(lambda connection: list(self._live(connection, True)))
         for row in rows:
             yield LockInfo(
                 alias=self.alias,
@@ -328,12 +442,18 @@ class DatabaseBackend(BaseLockBackend):
                 expires_at=row.expires_at,
             )
 
-    def force_release(self, key: str) -> bool:
-        return bool(self._run(lambda connection: self._locks(connection.alias).filter(lock_name=key).delete()[0]))
+    def force_release(self, key: str, token: int | None = None) -> bool:
+        def attempt(connection: BaseDatabaseWrapper) -> bool:
+            sql = _sql(connection)
+            if token is None:
+                return _execute(connection, sql.force_release, [key]) > 0
+            return _execute(connection, sql.force_release_token, [key, token]) > 0
+
+        return self._run(attempt)
 
     def clear_expired(self, dry_run: bool = False) -> int:
         def attempt(connection: BaseDatabaseWrapper) -> int:
-            expired = self._locks(connection.alias).filter(expires_at__lte=Now())
+            expired = self._live(connection, False)
             return expired.count() if dry_run else expired.delete()[0]
 
         return self._run(attempt)

@@ -1,0 +1,232 @@
+"""Database backend faults: session time zones, forks, killed sessions, locked tables, collations."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from django.conf import settings
+from django.db import connections
+from django.test import override_settings
+
+import distlocks
+from distlocks.handler import locks
+from distlocks.owner import current_owner
+from tests.conftest import DB, DB_ALIASES, Holder
+from tests.test_lock import in_thread
+
+pytestmark = DB
+
+# The databases with a server: sessions that can be killed, tables that can be locked.
+servers = pytest.mark.parametrize("alias", ["mariadb", "postgresql"], indirect=True)
+
+
+def lock_connection(alias):
+    """The calling thread's lock connection on ``alias`` (opened, not yet connected, if new)."""
+    return connections[locks[alias]._using()]
+
+
+def session_id(connection):
+    """The server's id of ``connection``'s session (it connects if needed)."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT CONNECTION_ID()" if connection.vendor == "mysql" else "SELECT pg_backend_pid()")
+        return cursor.fetchone()[0]
+
+
+def session_alive(alias, session):
+    with connections[alias].cursor() as cursor:
+        if connections[alias].vendor == "mysql":
+            cursor.execute("SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE ID = %s", [session])
+        else:
+            cursor.execute("SELECT COUNT(*) FROM pg_stat_activity WHERE pid = %s", [session])
+        return cursor.fetchone()[0] > 0
+
+
+def kill_session(alias, session):
+    """End a session on the server, as ``wait_timeout`` or an operator would, and wait until it is gone."""
+    with connections[alias].cursor() as cursor:
+        if connections[alias].vendor == "mysql":
+            cursor.execute(f"KILL {int(session)}")
+        else:
+            cursor.execute("SELECT pg_terminate_backend(%s, 5000)", [session])
+    deadline = time.monotonic() + 10
+    while session_alive(alias, session):
+        assert time.monotonic() < deadline, f"session {session} still alive"
+        time.sleep(0.01)
+
+
+def take(name, alias, wait=0):
+    """Acquire and release ``name`` in the calling thread; return whether it was acquired."""
+    lk = distlocks.lock(name, using=alias, renew=False)
+    if not lk.acquire(wait=wait):
+        return False
+    lk.release()
+    return True
+
+
+def held_row(alias, key):
+    return next(info for info in locks[alias].held() if info.name == key)
+
+
+def set_time_zone(connection, zone):
+    with connection.cursor() as cursor:
+        cursor.execute("SET time_zone = %s", [zone])
+
+
+# -- 6: MySQL/MariaDB leases in UTC, whatever the session's time zone -----------
+
+
+@pytest.mark.parametrize("alias", ["mariadb"], indirect=True)
+def test_lease_is_utc_and_lasts_ttl_when_session_time_zone_changes(alias, name):
+    connection = lock_connection(alias)
+    set_time_zone(connection, "+05:00")
+    lk = distlocks.lock(name, using=alias, ttl=2, renew=False)
+    before = datetime.now(UTC)
+    assert lk.acquire(wait=0)
+    row = held_row(alias, lk.key)
+    assert before - timedelta(seconds=5) < row.acquired_at < datetime.now(UTC) + timedelta(seconds=5)
+    assert (row.expires_at - row.acquired_at).total_seconds() == pytest.approx(2, abs=0.1)
+
+    # A DST jump forward (+5 h) between acquire and renewal: the lease is still ours...
+    set_time_zone(connection, "+10:00")
+    assert locks[alias].extend(lk.key, current_owner(), 2)
+    # ...and a jump back (-15 h) does not stretch it: another session gets the lock once ttl is over.
+    set_time_zone(connection, "-05:00")
+    renewed = time.monotonic()
+    assert in_thread(lambda: take(name, alias, wait=10))
+    assert time.monotonic() - renewed < 5
+    with pytest.raises(distlocks.LockLost):
+        lk.release()
+
+
+# -- 15: a session the server dropped while idle is reopened ---------------------
+
+
+@servers
+def test_operations_succeed_when_server_ended_idle_lock_session(alias, name):
+    lk = distlocks.lock(name, using=alias, renew=False)
+    kill_session(alias, session_id(lock_connection(alias)))
+    assert lk.acquire(wait=0)
+    kill_session(alias, session_id(lock_connection(alias)))
+    assert locks[alias].extend(lk.key, current_owner(), 30)
+    kill_session(alias, session_id(lock_connection(alias)))
+    lk.release()
+    assert in_thread(lambda: take(name, alias))
+
+
+# -- 3: every statement is bounded in time ---------------------------------------
+
+
+@contextlib.contextmanager
+def table_locked(alias, most=10):
+    """Hold a table lock on the lock table from another session, for at most ``most`` seconds."""
+    locked, stop = threading.Event(), threading.Event()
+    errors = []
+
+    def hold():
+        connection = connections.create_connection(alias)
+        try:
+            with connection.cursor() as cursor:
+                if connection.vendor == "mysql":
+                    cursor.execute("LOCK TABLES distlocks_lock WRITE")
+                    locked.set()
+                    stop.wait(most)
+                    cursor.execute("UNLOCK TABLES")
+                else:
+                    cursor.execute("BEGIN")
+                    cursor.execute("LOCK TABLE distlocks_lock IN ACCESS EXCLUSIVE MODE")
+                    locked.set()
+                    stop.wait(most)
+                    cursor.execute("ROLLBACK")
+        except Exception as exc:
+            errors.append(exc)
+            locked.set()
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    assert locked.wait(10)
+    assert not errors, errors
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(30)
+
+
+def timed(call):
+    """Run ``call``; return (its result or the LockError it raised, seconds it took)."""
+    started = time.monotonic()
+    try:
+        outcome = call()
+    except distlocks.LockError as exc:
+        outcome = exc
+    return outcome, time.monotonic() - started
+
+
+@servers
+def test_acquire_and_extend_end_within_timeout_when_lock_table_is_locked(alias, name):
+    bounded = {"BACKEND": settings.DISTLOCKS[alias]["BACKEND"], "OPTIONS": {"DATABASE": alias, "TIMEOUT": 1}}
+    with override_settings(DISTLOCKS={**settings.DISTLOCKS, "bounded": bounded}):
+        held = distlocks.lock(name, using="bounded", ttl=30, renew=False)
+        assert held.acquire(wait=0)
+        other = distlocks.lock(f"{name}-other", using="bounded", renew=False)
+        with table_locked(alias):
+            outcome, seconds = timed(lambda: other.acquire(wait=0))
+            assert outcome is False or isinstance(outcome, distlocks.BackendUnavailable), outcome
+            assert seconds < 5
+            outcome, seconds = timed(lambda: locks["bounded"].extend(held.key, current_owner(), 30))
+            assert isinstance(outcome, distlocks.BackendUnavailable), outcome
+            assert seconds < 5
+        # Once the table is free again, the same connection goes on.
+        held.release()
+        assert other.acquire(wait=0)
+        other.release()
+
+
+# -- 19: names compare byte for byte ---------------------------------------------
+
+
+@pytest.mark.parametrize("alias", DB_ALIASES, indirect=True)
+@pytest.mark.parametrize("pair", [("Stock", "stock"), ("a", "a "), ("café", "cafe")])
+def test_names_are_distinct_locks_when_they_differ_only_in_case_trailing_space_or_accent(alias, name, pair):
+    first, second = (f"{name}:{suffix}" for suffix in pair)
+    holder = Holder(first, alias)
+    lk = distlocks.lock(second, using=alias, renew=False)
+    try:
+        assert lk.acquire(wait=0), f"{second!r} is taken by the holder of {first!r}"
+        names = {info.name for info in locks[alias].held()}
+        assert {first, second} <= names
+        lk.release()
+    finally:
+        assert holder.release() is None
+
+
+# -- 22: a NUL in a name is refused at once --------------------------------------
+
+
+@pytest.mark.parametrize("alias", DB_ALIASES, indirect=True)
+def test_value_error_names_the_argument_when_name_contains_nul(alias):
+    with pytest.raises(ValueError, match=r"^name must not contain"):
+        distlocks.lock("stock\x0042", using=alias)
+
+
+# -- 20: force-release compares the token and deletes in one statement -----------
+
+
+@pytest.mark.parametrize("alias", DB_ALIASES, indirect=True)
+def test_new_holder_keeps_the_lock_when_force_release_has_a_stale_token(alias, name):
+    first = distlocks.lock(name, using=alias, renew=False)
+    assert first.acquire(wait=0)
+    stale = first.token
+    first.release()
+    holder = Holder(name, alias, renew=False)
+    backend = locks[alias]
+    assert backend.force_release(first.key, token=stale) is False
+    assert in_thread(lambda: take(name, alias)) is False
+    assert backend.force_release(first.key, token=holder.token) is True
+    assert isinstance(holder.release(), distlocks.LockLost)
