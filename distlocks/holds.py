@@ -28,13 +28,18 @@ class Hold:
     thread: threading.Thread = field(default_factory=threading.current_thread)
     count: int = 1
     lost: bool = False
+    lost_told: bool = False  # lock_lost was sent for it
     #: Inner acquires and releases whose request failed: the server may count
     #: up to this many holds more than ``count``, so the last release makes sure.
     uncounted: int = 0
 
-    def renewed(self, started: float) -> None:
-        """Note a renewal whose request left at ``started`` (monotonic)."""
-        self.lease_ends = started + self.ttl
+    def renewed(self, started: float, ttl: float | None = None) -> None:
+        """Note a renewal for ``ttl`` (default: the hold's) whose request left at ``started`` (monotonic).
+
+        A lease only ever grows here: a slower renewal answered after a later
+        one must not shorten it.
+        """
+        self.lease_ends = max(self.lease_ends, started + (self.ttl if ttl is None else ttl))
 
 
 _local = threading.local()

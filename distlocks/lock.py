@@ -9,7 +9,7 @@ import math
 import time
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, NoReturn, ParamSpec, TypeVar
 
 from distlocks.backends.base import BaseLockBackend, check_positive_number
 from distlocks.exceptions import LockLost, LockNotAcquired, LockNotOwned
@@ -133,8 +133,8 @@ class DistributedLock:
         hold = Hold(type(self), backend, self.alias, self.name, self.key, owner, token, self.ttl, started + self.ttl)
         try:
             mine[(self.alias, self.key)] = hold
-            if self.renew:
-                watchdog().watch(hold)
+            if self.renew or backend.session_bound:
+                watchdog().watch(hold, renew=self.renew)
             logger.debug("Acquired lock %r on %r, token %d", self.name, self.alias, token)
             if lock_acquired.receivers:  # sending costs microseconds even to nobody
                 lock_acquired.send_robust(sender=type(self), name=self.name, alias=self.alias, token=token)
@@ -174,16 +174,16 @@ class DistributedLock:
         if hold.lost:
             raise LockLost(self._message("was lost while held"), name=self.name, alias=self.alias)
         started = time.monotonic()
+        ttl = max(self.ttl, hold.ttl)  # another lock object's shorter ttl must not cut the outer lease
         try:
-            still_held = backend.reenter(self.key, hold.owner, self.ttl)
+            still_held = backend.reenter(self.key, hold.owner, ttl)
         except Exception:
             hold.uncounted += 1  # the server may have counted it
             raise
         if not still_held:
-            hold.lost = True  # the watchdog's next look tells lock_lost
-            raise LockLost(self._message("was lost while held"), name=self.name, alias=self.alias)
+            self._lost(hold, "its lease was gone at re-entry")
         hold.count += 1
-        hold.lease_ends = started + self.ttl
+        hold.renewed(started, ttl)
 
     def release(self) -> None:
         """Release one hold of the lock.
@@ -202,8 +202,11 @@ class DistributedLock:
         del mine[(self.alias, self.key)]
         watchdog().unwatch(hold)
         if hold.lost:
-            with contextlib.suppress(Exception):  # our own leftovers (an expired row), if any
-                hold.backend.release(self.key, hold.owner)
+            with contextlib.suppress(Exception):  # our own leftovers (an expired row, a node), if any
+                if hold.backend.session_bound:
+                    hold.backend.drop(self.key, hold.owner)
+                else:
+                    hold.backend.release(self.key, hold.owner)
             raise LockLost(self._message("was lost while held"), name=self.name, alias=self.alias)
         # An error here leaves the lease unrenewed: it runs out (a session-bound
         # backend deletes its node as soon as it can).
@@ -213,7 +216,7 @@ class DistributedLock:
             if not hold.backend.release(self.key, hold.owner):
                 break
         if not released:
-            raise LockLost(self._message("was lost while held"), name=self.name, alias=self.alias)
+            self._lost(hold, "its lease was gone at release")
         logger.debug("Released lock %r on %r", self.name, self.alias)
         if lock_released.receivers:
             lock_released.send_robust(sender=type(self), name=self.name, alias=self.alias, token=hold.token)
@@ -228,9 +231,12 @@ class DistributedLock:
             hold.uncounted += 1  # the server may still count it: the last release makes sure
             raise
         if not still_held:
-            hold.lost = True
-            watchdog().unwatch(hold)
-            raise LockLost(self._message("was lost while held"), name=self.name, alias=self.alias)
+            self._lost(hold, "its lease was gone at release")
+
+    def _lost(self, hold: Hold, why: str) -> NoReturn:
+        """The holding thread found its hold lost: tell ``lock_lost`` (unless told already) and raise LockLost."""
+        watchdog().lose(hold, why, watched_only=False)
+        raise LockLost(self._message("was lost while held"), name=self.name, alias=self.alias)
 
     def detach(self, lease: float) -> int:
         """Stop holding the lock in this thread without releasing it; return its token.

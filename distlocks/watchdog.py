@@ -1,17 +1,22 @@
 """The watchdog: it renews the leases of held locks and says when one is lost.
 
-Redisson's watchdog: a held lock is renewed every ``ttl / 3``; a renewal that
-finds the lease gone marks the hold lost and sends ``lock_lost``. Two kinds of
-thread do the work, so that no fault in one place silences the others:
+Redisson's watchdog: a held lock is renewed when a third of its lease has
+passed; a renewal that finds the lease gone marks the hold lost and sends
+``lock_lost``. Three kinds of thread do the work, so that no fault in one place
+silences the others:
 
-- one *renewer* thread per alias makes the requests, so a slow or hung server
-  delays the renewals of its own alias only;
-- one *timer* thread makes no request at all: it hands due holds to their
-  renewer and marks a hold lost the moment its lease ends without a renewal
-  it can prove, even while that renewal is still stuck in a request.
+- one *renewer* per alias makes the requests, so a slow or hung server delays
+  the renewals of its own alias only; a renewer stuck in one call for longer
+  than the lease it is renewing is replaced by a new one (with a connection of
+  its own), so that the alias's later locks are renewed again;
+- the *timer* makes no request at all: it hands due holds to their renewer,
+  marks a hold lost the moment its lease ends without a renewal it can prove
+  (even while that renewal is still stuck in a request), and hands the holds of
+  threads that ended to their renewer, to be released on session-bound backends;
+- the *notifier* sends ``lock_lost``, with ``send_robust``, so that a receiver
+  that raises is logged and one that blocks holds up no renewal.
 
-Both loops survive any exception, and a thread found dead is started again.
-Signal receivers run through ``send_robust``: one that raises is logged.
+Every loop survives any exception, and a thread found dead is started again.
 """
 
 from __future__ import annotations
@@ -31,86 +36,95 @@ logger = logging.getLogger(__name__)
 
 # A renewal that failed with an error is retried this often, until the lease runs out.
 RETRY_INTERVAL = 0.5
-# A hold whose lease has more than this share of its ttl left was renewed since it was queued.
-FRESH = 0.75
-# An idle timer looks again this often, so that most new holds need no wake-up call.
+# An idle timer looks again this often (for ended threads, and so that most new
+# holds need no wake-up call).
 IDLE_LOOK = 1.0
 
 
-def _forever(name: str, step: Callable[[], None]) -> Callable[[], None]:
-    """Run ``step`` again and again, whatever it raises: a watchdog that dies renews nothing."""
+def _start(name: str, step: Callable[[], None], running: Callable[[], bool] = lambda: True) -> threading.Thread:
+    """Start a daemon thread that runs ``step`` again and again while ``running()``, whatever it raises."""
 
     def loop() -> None:
-        while True:
+        pause = 0.01
+        while running():
             try:
                 step()
+                pause = 0.01
             except BaseException:  # noqa: B036 - a daemon thread: nothing above it would handle it
                 logger.exception("distlocks %s: unexpected error, carrying on", name)
-                time.sleep(0.01)  # no busy loop if the error repeats
+                time.sleep(pause)  # no busy loop if the error repeats
+                pause = min(pause * 2, 1.0)
 
-    return loop
+    thread = threading.Thread(target=loop, name=name, daemon=True)
+    thread.start()
+    return thread
 
 
 class _Renewer:
-    """One alias's renewals, made one after another in a thread of their own."""
+    """One alias's requests (renewals, releases of ended threads' holds), one after another."""
 
     def __init__(self, alias: str, watchdog: Watchdog) -> None:
         self.alias = alias
         self.watchdog = watchdog
         self.queue: queue.SimpleQueue[Hold] = queue.SimpleQueue()
-        self.thread = _start(f"distlocks-renew-{alias}", self._next)
+        self.current: Hold | None = None
+        self.busy_since = 0.0
+        self.retired = False
+        self.thread = self._start()
+
+    def _start(self) -> threading.Thread:
+        return _start(f"distlocks-renew-{self.alias}", self._next, lambda: not self.retired)
 
     def keep_alive(self) -> None:
         """Start the thread again if it died: the holds queued for it stay queued."""
-        if not self.thread.is_alive():
-            self.thread = _start(f"distlocks-renew-{self.alias}", self._next)
+        if not self.thread.is_alive() and not self.retired:
+            self.thread = self._start()
+
+    def stuck(self, now: float) -> bool:
+        """Whether the call in progress has lasted longer than the lease it is renewing."""
+        current = self.current
+        return current is not None and now - self.busy_since > current.ttl
 
     def _next(self) -> None:
         hold = self.queue.get()
-        if self.watchdog.watches(hold) and hold.lease_ends - time.monotonic() < hold.ttl * FRESH:
-            self._renew(hold)  # else released, or renewed since it was queued again
+        self.busy_since = time.monotonic()
+        self.current = hold
+        try:
+            if not hold.thread.is_alive():
+                _drop(hold)
+            elif self.watchdog.watches(hold):
+                self._renew(hold)
+        finally:
+            self.current = None
+            self.watchdog.settled(hold, self)
 
     def _renew(self, hold: Hold) -> None:
         from distlocks.handler import locks
 
-        if not hold.thread.is_alive():
-            self.watchdog.unwatch(hold)
-            _drop_orphaned(hold)
-            return
         started = time.monotonic()
         try:
             renewed = locks[hold.alias].extend(hold.key, hold.owner, hold.ttl)
         except Exception as exc:
             logger.warning("Could not renew lock %r on %r, retrying: %s", hold.name, hold.alias, exc)
-            self.watchdog.done(hold, retry_in=min(RETRY_INTERVAL, hold.ttl / 10))
+            self.watchdog.retry(hold)
             return
         if renewed:
             hold.renewed(started)
-            self.watchdog.done(hold, retry_in=hold.ttl / 3)
         else:
             self.watchdog.lose(hold, "its lease was gone at renewal")
 
 
-def _drop_orphaned(hold: Hold) -> None:
-    """A thread ended without releasing: a lease runs out by itself, a session-bound hold is released."""
+def _drop(hold: Hold) -> None:
+    """Free the hold of a thread that ended without releasing it, if nothing else would."""
     logger.warning("Thread %s ended holding lock %r on %r", hold.thread.name, hold.name, hold.alias)
     if not hold.backend.session_bound:
         return  # nobody renews it any more: its lease runs out
     from distlocks.handler import locks
 
-    backend = locks[hold.alias]
     try:
-        for _ in range(hold.count + hold.uncounted):
-            if not backend.release(hold.key, hold.owner):
-                break
+        locks[hold.alias].drop(hold.key, hold.owner)  # the session outlives the thread
     except Exception as exc:
         logger.warning("Could not release lock %r on %r of an ended thread: %s", hold.name, hold.alias, exc)
-
-
-def _start(name: str, step: Callable[[], None]) -> threading.Thread:
-    thread = threading.Thread(target=_forever(name, step), name=name, daemon=True)
-    thread.start()
-    return thread
 
 
 class Watchdog:
@@ -121,14 +135,23 @@ class Watchdog:
         # lock (C-level); the condition on it wakes the timer.
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._due: dict[Hold, float] = {}  # watched holds -> when to renew next
+        self._due: dict[Hold, float] = {}  # renewed holds -> when to renew next
+        self._kept: set[Hold] = set()  # holds not renewed, watched only for their thread's end
+        self._renewing: set[Hold] = set()  # queued for or in a renewer
         self._renewers: dict[str, _Renewer] = {}
         self._timer: threading.Thread | None = None
+        self._lost: queue.SimpleQueue[Hold] = queue.SimpleQueue()
+        self._notifier: threading.Thread | None = None
         self._wake_at = 0.0
 
-    def watch(self, hold: Hold) -> None:
+    def watch(self, hold: Hold, renew: bool = True) -> None:
+        """Renew ``hold`` until ``unwatch()``; with ``renew=False`` only see to it if its thread ends."""
         with self._lock:
-            due = self._due[hold] = time.monotonic() + hold.ttl / 3
+            if renew:
+                due = self._due[hold] = hold.lease_ends - hold.ttl * 2 / 3
+            else:
+                self._kept.add(hold)
+                due = time.monotonic() + IDLE_LOOK
             if self._timer is None or not self._timer.is_alive():
                 self._timer = _start("distlocks-watchdog", self._tick)
             if due < self._wake_at:
@@ -137,6 +160,10 @@ class Watchdog:
     def unwatch(self, hold: Hold) -> None:
         with self._lock:
             self._due.pop(hold, None)
+            self._kept.discard(hold)
+
+    def watches(self, hold: Hold) -> bool:
+        return hold in self._due
 
     def renew_soon(self, alias: str | None = None) -> None:
         """Renew the holds on ``alias`` (every alias: None) now: a backend said they may be gone."""
@@ -147,41 +174,71 @@ class Watchdog:
                     self._due[hold] = now
             self._cond.notify()
 
-    def watches(self, hold: Hold) -> bool:
-        return hold in self._due
-
-    def done(self, hold: Hold, retry_in: float) -> None:
-        """A renewer is done with ``hold``: renew it again in ``retry_in`` seconds."""
-        with self._cond:
+    def retry(self, hold: Hold) -> None:
+        """A renewal failed with an error: try again soon, until the lease ends."""
+        with self._lock:
             if hold in self._due:
-                self._due[hold] = time.monotonic() + retry_in
+                self._due[hold] = time.monotonic() + min(RETRY_INTERVAL, hold.ttl / 10)
+
+    def settled(self, hold: Hold, renewer: _Renewer) -> None:
+        """``renewer`` is done with ``hold``: due again when a third of its lease has passed."""
+        with self._cond:
+            if self._renewers.get(hold.alias) is not renewer:
+                return  # a renewer replaced while it was stuck: the new one looks after it
+            self._renewing.discard(hold)
+            if hold in self._due:
+                self._due[hold] = max(self._due[hold], hold.lease_ends - hold.ttl * 2 / 3)
                 self._cond.notify()
 
-    def lose(self, hold: Hold, why: str) -> None:
-        """Mark ``hold`` lost, unless it was released meanwhile, and send ``lock_lost``."""
+    def lose(self, hold: Hold, why: str, *, watched_only: bool = True) -> None:
+        """Mark ``hold`` lost and have ``lock_lost`` sent, once.
+
+        By default only a hold still watched: one released meanwhile was not
+        lost. The holding thread, which finds a loss on its own, passes
+        ``watched_only=False``.
+        """
         with self._lock:
-            if self._due.pop(hold, None) is None:
-                return  # released meanwhile: not lost
-        hold.lost = True
+            watched = self._due.pop(hold, None) is not None
+            if (watched_only and not watched) or hold.lost_told:
+                return
+            hold.lost = hold.lost_told = True
+            if self._notifier is None or not self._notifier.is_alive():
+                self._notifier = _start("distlocks-lock-lost", self._tell_lost)
         logger.warning("Lost lock %r on %r: %s", hold.name, hold.alias, why)
-        # Receivers run in a thread of their own: one that blocks holds up nobody.
-        threading.Thread(target=_tell_lost, args=(hold,), name="distlocks-lock-lost", daemon=True).start()
+        self._lost.put(hold)
+
+    def _tell_lost(self) -> None:
+        hold = self._lost.get()
+        lock_lost.send_robust(sender=hold.lock_class, name=hold.name, alias=hold.alias, token=hold.token)
 
     def _tick(self) -> None:
-        ended = []
+        ended, orphaned = [], []
         with self._cond:
             now = time.monotonic()
             wake_at = now + IDLE_LOOK
+            for alias, renewer in list(self._renewers.items()):
+                if renewer.stuck(now):
+                    self._replace(alias, renewer)
+                elif renewer.current is not None:
+                    wake_at = min(wake_at, renewer.busy_since + renewer.current.ttl)
             for hold, due in self._due.items():
-                if hold.lease_ends <= now:
+                if not hold.thread.is_alive():
+                    orphaned.append(hold)
+                elif hold.lease_ends <= now:
                     ended.append(hold)
-                    continue
-                if due <= now:
-                    # Queued again at this pace until a renewal comes back: a
-                    # renewer that lost it (or is stuck) cannot leave it unrenewed.
-                    due = self._due[hold] = now + min(RETRY_INTERVAL, hold.ttl / 10)
-                    self._renewer(hold.alias).queue.put(hold)
-                wake_at = min(wake_at, due, hold.lease_ends)
+                elif hold not in self._renewing:
+                    if due <= now:
+                        self._renewing.add(hold)
+                        self._renewer(hold.alias).queue.put(hold)
+                    else:
+                        wake_at = min(wake_at, due)
+                if hold not in ended:
+                    wake_at = min(wake_at, hold.lease_ends)
+            orphaned.extend(hold for hold in self._kept if not hold.thread.is_alive())
+            for hold in orphaned:
+                self._due.pop(hold, None)
+                self._kept.discard(hold)
+                self._renewer(hold.alias).queue.put(hold)  # it releases what must be released
             if not ended:
                 self._wake_at = wake_at
                 self._cond.wait(wake_at - now)
@@ -196,9 +253,12 @@ class Watchdog:
         renewer.keep_alive()
         return renewer
 
-
-def _tell_lost(hold: Hold) -> None:
-    lock_lost.send_robust(sender=hold.lock_class, name=hold.name, alias=hold.alias, token=hold.token)
+    def _replace(self, alias: str, stuck: _Renewer) -> None:
+        """Leave a renewer stuck in a call to it, and give its alias a new one."""
+        logger.warning("Renewals on %r stuck in one call for longer than a lease: renewing on a new connection", alias)
+        stuck.retired = True
+        self._renewers[alias] = _Renewer(alias, self)
+        self._renewing.difference_update([hold for hold in self._renewing if hold.alias == alias])
 
 
 _watchdog = Watchdog()

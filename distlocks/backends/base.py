@@ -148,6 +148,16 @@ class BaseLockBackend:
         """Yield the locks held right now (for the admin and the commands)."""
         raise NotImplementedError("subclasses of BaseLockBackend may provide a held() method")
 
+    def drop(self, key: str, owner: Owner) -> bool:
+        """Free ``owner``'s hold of ``key`` whatever its count, without blocking; False if it had none here.
+
+        Session-bound backends provide it: their holds end with the session,
+        not with a lease, so the hold of a thread that ended holding it (or one
+        whose count can no longer be trusted) would stay for the life of the
+        process. A lease backend's hold runs out by itself: nothing to do.
+        """
+        return False
+
     def force_release(self, key: str, token: int | None = None) -> bool:
         """Free a lock whoever holds it; return False if it was not held.
 
