@@ -89,16 +89,18 @@ class _Renewer:
         hold = self.queue.get()
         self.busy_since = time.monotonic()
         self.current = hold
+        next_due = None
         try:
             if not hold.thread.is_alive():
                 _drop(hold)
             elif self.watchdog.watches(hold):
-                self._renew(hold)
+                next_due = self._renew(hold)
         finally:
             self.current = None
-            self.watchdog.settled(hold, self)
+            self.watchdog.settled(hold, self, next_due)
 
-    def _renew(self, hold: Hold) -> None:
+    def _renew(self, hold: Hold) -> float | None:
+        """Renew ``hold``; return when to renew it next (None: lost)."""
         from distlocks.handler import locks
 
         started = time.monotonic()
@@ -106,12 +108,12 @@ class _Renewer:
             renewed = locks[hold.alias].extend(hold.key, hold.owner, hold.ttl)
         except Exception as exc:
             logger.warning("Could not renew lock %r on %r, retrying: %s", hold.name, hold.alias, exc)
-            self.watchdog.retry(hold)
-            return
-        if renewed:
-            hold.renewed(started)
-        else:
+            return time.monotonic() + min(RETRY_INTERVAL, hold.ttl / 10)  # until the lease ends
+        if not renewed:
             self.watchdog.lose(hold, "its lease was gone at renewal")
+            return None
+        hold.renewed(started)
+        return hold.lease_ends - hold.ttl * 2 / 3
 
 
 def _drop(hold: Hold) -> None:
@@ -137,7 +139,7 @@ class Watchdog:
         self._cond = threading.Condition(self._lock)
         self._due: dict[Hold, float] = {}  # renewed holds -> when to renew next
         self._kept: set[Hold] = set()  # holds not renewed, watched only for their thread's end
-        self._renewing: set[Hold] = set()  # queued for or in a renewer
+        self._renewing: dict[Hold, float] = {}  # queued for or in a renewer, since when
         self._renewers: dict[str, _Renewer] = {}
         self._timer: threading.Thread | None = None
         self._lost: queue.SimpleQueue[Hold] = queue.SimpleQueue()
@@ -174,20 +176,14 @@ class Watchdog:
                     self._due[hold] = now
             self._cond.notify()
 
-    def retry(self, hold: Hold) -> None:
-        """A renewal failed with an error: try again soon, until the lease ends."""
-        with self._lock:
-            if hold in self._due:
-                self._due[hold] = time.monotonic() + min(RETRY_INTERVAL, hold.ttl / 10)
-
-    def settled(self, hold: Hold, renewer: _Renewer) -> None:
-        """``renewer`` is done with ``hold``: due again when a third of its lease has passed."""
+    def settled(self, hold: Hold, renewer: _Renewer, due: float | None) -> None:
+        """``renewer`` is done with ``hold``, to be renewed again at ``due`` (None: not again)."""
         with self._cond:
             if self._renewers.get(hold.alias) is not renewer:
                 return  # a renewer replaced while it was stuck: the new one looks after it
-            self._renewing.discard(hold)
-            if hold in self._due:
-                self._due[hold] = max(self._due[hold], hold.lease_ends - hold.ttl * 2 / 3)
+            self._renewing.pop(hold, None)
+            if due is not None and hold in self._due:
+                self._due[hold] = due
                 self._cond.notify()
 
     def lose(self, hold: Hold, why: str, *, watched_only: bool = True) -> None:
@@ -226,12 +222,17 @@ class Watchdog:
                     orphaned.append(hold)
                 elif hold.lease_ends <= now:
                     ended.append(hold)
-                elif hold not in self._renewing:
-                    if due <= now:
-                        self._renewing.add(hold)
+                else:
+                    # Queued once; again only if its renewer lost it (an
+                    # interrupted thread) a third of its lease ago.
+                    queued = self._renewing.get(hold)
+                    if queued is not None and now < queued + hold.ttl / 3:
+                        due = queued + hold.ttl / 3
+                    elif due <= now:
+                        self._renewing[hold] = now
                         self._renewer(hold.alias).queue.put(hold)
-                    else:
-                        wake_at = min(wake_at, due)
+                        due = now + hold.ttl / 3
+                    wake_at = min(wake_at, due)
                 if hold not in ended:
                     wake_at = min(wake_at, hold.lease_ends)
             orphaned.extend(hold for hold in self._kept if not hold.thread.is_alive())
@@ -258,7 +259,8 @@ class Watchdog:
         logger.warning("Renewals on %r stuck in one call for longer than a lease: renewing on a new connection", alias)
         stuck.retired = True
         self._renewers[alias] = _Renewer(alias, self)
-        self._renewing.difference_update([hold for hold in self._renewing if hold.alias == alias])
+        for hold in [hold for hold in self._renewing if hold.alias == alias]:
+            del self._renewing[hold]
 
 
 _watchdog = Watchdog()

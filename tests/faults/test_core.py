@@ -182,11 +182,52 @@ def test_a_force_release_for_a_lock_that_changed_hands_leaves_the_new_holder(ali
     assert second.release() is None  # it still held it: no LockLost
 
 
-def test_a_thread_that_ends_holding_a_zookeeper_lock_frees_it(name):
+@pytest.mark.parametrize("renew", [True, False])
+def test_a_thread_that_ends_holding_a_zookeeper_lock_frees_it(name, renew):
     # A session outlives its threads: nobody else would ever delete the node.
-    lk = distlocks.lock(name, using="zookeeper", ttl=0.6)
-    thread = threading.Thread(target=lk.acquire)
+    taken, end = threading.Event(), threading.Event()
+
+    def take_and_end():
+        distlocks.lock(name, using="zookeeper", ttl=0.6, renew=renew).acquire()
+        taken.set()
+        end.wait(30)
+
+    thread = threading.Thread(target=take_and_end)
     thread.start()
-    thread.join()
+    assert taken.wait(30)
     assert not free_elsewhere(name, "zookeeper")
+    end.set()
+    thread.join()
     until(lambda: free_elsewhere(name, "zookeeper"), seconds=5)
+
+
+@pytest.mark.parametrize("alias", ["default", "redis"], indirect=True)
+def test_lock_lost_is_sent_once_when_the_holder_finds_the_loss_itself(alias, name, lock_factory):
+    told = []
+
+    def on_lost(sender, name, **kwargs):
+        told.append(name)
+
+    lock_lost.connect(on_lost)
+    try:
+        lk = lock_factory(ttl=0.3, renew=False)  # no watchdog: the release finds the loss
+        lk.acquire()
+        time.sleep(0.5)
+        with pytest.raises(distlocks.LockLost):
+            lk.release()
+        until(lambda: told)
+        assert told == [name]
+    finally:
+        lock_lost.disconnect(on_lost)
+
+
+@pytest.mark.parametrize("alias", ["default", "redis"], indirect=True)
+def test_reentering_with_a_shorter_ttl_does_not_cut_the_outer_lease(alias, name, lock_factory):
+    outer = lock_factory(ttl=30, renew=False)
+    outer.acquire()
+    inner = lock_factory(ttl=0.3, renew=False)
+    inner.acquire()
+    inner.release()
+    time.sleep(0.6)
+    assert not free_elsewhere(name, alias)
+    outer.release()

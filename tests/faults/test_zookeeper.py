@@ -123,11 +123,6 @@ def lost_names():
 # -- 5: a suspended holder learns its loss before its session can have expired --
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="distlocks/watchdog.py: _Renewer._next skips a hold whose lease has more than FRESH*ttl left, so "
-    "holds_in_doubt() (renew_soon) and the retries after a failed extend() wait up to ttl/4 (7.5 s here)",
-)
 def test_loss_is_signalled_within_the_session_timeout_when_the_server_freezes(zk_server, settings, name, lost_names):
     session_timeout = 3
     alias, other = own_aliases(settings, zk_server, "own", "other", SESSION_TIMEOUT=session_timeout)
@@ -234,11 +229,6 @@ def test_a_last_release_that_met_a_frozen_server_frees_the_lock_once_it_answers(
     distlocks.lock(name, using=other).release()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="distlocks/lock.py: the last release of a lost hold calls backend.release() once, which only counts "
-    "one hold down; on a session-bound backend it must call backend.drop(key, owner)",
-)
 def test_a_reentered_hold_the_core_marked_lost_frees_the_lock_at_its_last_release(zk_server, settings, name):
     # ttl well below the session timeout: the core gives the hold up when its lease ends unproven, while
     # the session (and the node) live on.
