@@ -6,6 +6,7 @@ The only module of distlocks that imports Celery (``pip install 'distlocks[celer
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import inspect
 import logging
 import string
@@ -246,7 +247,10 @@ class LockedTask(Task):
         the owner cannot re-enter by trying again: one copy resumes, the other
         waits for the lock like any other execution.
         """
-        claim = DistributedLock(f"resumed:{lock.name}", using=lock.alias, ttl=lock.ttl)
+        claim_name = f"resumed:{lock.name}"
+        if len(claim_name) > 64:  # a name near the backend's limit must still leave room
+            claim_name = f"resumed:{hashlib.sha256(lock.name.encode()).hexdigest()}"
+        claim = DistributedLock(claim_name, using=lock.alias, ttl=lock.ttl)
         if claim.acquire(wait=0):
             return claim
         logger.warning("Task %s: another copy of this retry holds %r: not resuming it", self.request.id, lock.name)
@@ -314,7 +318,7 @@ class LockedTask(Task):
                     backend.release(marker.key, owner)
                     raise
             # Who holds it: listing the held locks costs a scan of the backend, on duplicates only.
-            queued = next((info for info in backend.held() if info.name == marker.key), None)
+            queued = backend.holder(marker.key)
             queued_id = task_id_of(queued.owner) if queued else None
             if queued_id:
                 logger.debug("Task %s not queued: %s is queued or running for %r", task_id, queued_id, marker.name)

@@ -265,6 +265,10 @@ class DistributedLock:
         started = time.monotonic()
         if not self._backend.extend(self.key, owner, self.ttl):
             return False
+        holder = self._backend.holder(self.key)
+        if holder is None or holder.token != token:
+            # The same owner took it anew since (a task's other copy): that hold is not this one to resume.
+            return False
         hold = Hold(
             type(self), self._backend, self.alias, self.name, self.key, owner, token, self.ttl, started + self.ttl
         )

@@ -144,6 +144,14 @@ class BaseLockBackend:
     def end_wait(self, key: str, acquired: bool) -> None:
         """Forget this thread's attempt on ``key``: it ``acquired`` the lock, or gave up."""
 
+    def holder(self, key: str) -> LockInfo | None:
+        """The lock stored as ``key`` if it is held right now, else None.
+
+        The default looks through ``held()``; a backend can ask its server for
+        the one key instead.
+        """
+        return next((info for info in self.held() if info.name == key), None)
+
     def held(self) -> Iterator[LockInfo]:
         """Yield the locks held right now (for the admin and the commands)."""
         raise NotImplementedError("subclasses of BaseLockBackend may provide a held() method")

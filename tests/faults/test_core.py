@@ -13,6 +13,7 @@ from django.core.management import CommandError, call_command
 import distlocks
 from distlocks.handler import locks
 from distlocks.inspection import force_release
+from distlocks.owner import acting_as, task_owner
 from distlocks.signals import lock_acquired, lock_lost
 from tests.conftest import ALIASES, DB, LEASE_ALIASES, REDIS_PORT, Holder
 from tests.faults.conftest import frozen
@@ -231,3 +232,38 @@ def test_reentering_with_a_shorter_ttl_does_not_cut_the_outer_lease(alias, name,
     time.sleep(0.6)
     assert not free_elsewhere(name, alias)
     outer.release()
+
+
+@pytest.mark.parametrize("alias", ["default", "redis"], indirect=True)
+def test_a_kept_lease_is_not_resumed_once_its_owner_took_the_lock_anew(alias, name):
+    # Two copies of one Celery task share an owner: the first kept its lease
+    # over a retry, the lease ran out, the second took the lock anew.
+    owner = task_owner("task-1", shared=True)
+    first = distlocks.lock(name, using=alias, ttl=5)
+    with acting_as(owner):
+        first.acquire()
+        kept = first.detach(lease=0.3)
+    time.sleep(0.5)
+    taken, done = threading.Event(), threading.Event()
+    errors = []
+
+    def second_copy():
+        with acting_as(owner):
+            lk = distlocks.lock(name, using=alias, ttl=5)
+            assert lk.acquire(wait=5)
+            taken.set()
+            done.wait(30)
+            try:
+                lk.release()
+            except distlocks.LockError as exc:
+                errors.append(exc)
+
+    thread = threading.Thread(target=second_copy)
+    thread.start()
+    assert taken.wait(30)
+    with acting_as(owner):
+        assert not first.resume(kept)
+    assert first.hold_count == 0
+    done.set()
+    thread.join(30)
+    assert errors == []

@@ -8,8 +8,8 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from distlocks.exceptions import LockError
-from distlocks.handler import DEFAULT_ALIAS
-from distlocks.inspection import force_release, held_locks
+from distlocks.handler import DEFAULT_ALIAS, locks
+from distlocks.inspection import force_release
 
 
 class Command(BaseCommand):
@@ -52,12 +52,10 @@ class Command(BaseCommand):
 
     def _holder(self, using: str, name: str) -> tuple[int | None, str]:
         """The current acquisition's token and a description of its holder."""
-        held = held_locks([using])
-        if using in held.errors:
-            if "cannot list" in held.errors[using]:
-                return None, "whoever holds it"
-            raise LockError(held.errors[using], alias=using)
-        info = next((info for info in held.locks if info.name == name), None)
+        try:
+            info = locks[using].holder(name)
+        except NotImplementedError:
+            return None, "whoever holds it"
         if info is None:
             raise CommandError(f"{using}: {name!r} is not held")
         return info.token, f"held by {info.owner or '?'}, token {info.token}"
