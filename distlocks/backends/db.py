@@ -19,6 +19,7 @@ import math
 import os
 import random
 import select
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -65,8 +66,8 @@ DEFAULT_TIMEOUT = 5.0
 _TIMEOUT_KEY = "DISTLOCKS_TIMEOUT"
 
 
-# Every lock connection with the thread it serves: a thread that ended without
-# closing its connection has it closed when the next one is opened.
+# Every lock connection of this process with the thread it serves: a thread that
+# ended without closing its connection has it closed when the next one is opened.
 _opened: list[tuple[threading.Thread, BaseDatabaseWrapper]] = []
 _opened_lock = threading.Lock()
 
@@ -78,6 +79,31 @@ def _track(connection: BaseDatabaseWrapper) -> None:
             stale.close()
             _opened.remove((thread, stale))
         _opened.append((threading.current_thread(), connection))
+
+
+def _forget_parents_connections() -> None:
+    """In a forked child, let go of the lock connections, which are the parent's, without a word to the server.
+
+    Closing one, or merely freeing it (mysqlclient says goodbye to the server
+    then), would end the parent's session on the socket both share. So, in this
+    process only, each socket is swapped for an unconnected one: whatever
+    happens to these connections here reaches nobody.
+    """
+    global _opened, _opened_lock
+    inherited, _opened, _opened_lock = _opened, [], threading.Lock()
+    for _, connection in inherited:
+        raw = connection.connection
+        if raw is None:
+            continue
+        try:
+            fd = raw.fileno()
+        except Exception:  # closed underneath: no socket
+            continue
+        with socket.socket(socket.AF_UNIX) as unconnected:
+            os.dup2(unconnected.fileno(), fd)
+
+
+os.register_at_fork(after_in_child=_forget_parents_connections)
 
 
 def close_connections() -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import gc
+import os
 import threading
 import time
 from datetime import UTC, datetime, timedelta
@@ -100,6 +102,50 @@ def test_lease_is_utc_and_lasts_ttl_when_session_time_zone_changes(alias, name):
     assert time.monotonic() - renewed < 5
     with pytest.raises(distlocks.LockLost):
         lk.release()
+
+
+# -- 14: a forked child never closes its parent's lock connections ---------------
+
+
+@servers
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_parent_keeps_its_lock_connections_when_forked_child_takes_a_lock(alias, name):
+    ready, go, done = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def parent_holder():
+        lk = distlocks.lock(name, using=alias, renew=False)
+        assert lk.acquire(wait=0)
+        seen["before"] = session_id(lock_connection(alias))
+        ready.set()
+        go.wait(30)
+        try:
+            lk.release()
+            seen["released"] = True
+        except distlocks.LockError as exc:
+            seen["released"] = exc
+        seen["after"] = session_id(lock_connection(alias))
+        done.set()
+
+    thread = threading.Thread(target=parent_holder)
+    thread.start()
+    assert ready.wait(30)
+    pid = os.fork()
+    if pid == 0:  # the child: take a lock of its own, let go of everything, exit
+        code = 1
+        try:
+            code = 0 if take(f"{name}-child", alias) else 2
+            gc.collect()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    go.set()
+    thread.join(30)
+    assert done.is_set()
+    assert seen["released"] is True
+    assert seen["after"] == seen["before"], "the parent's lock session was closed by its child"
+    assert in_thread(lambda: take(name, alias))
 
 
 # -- 15: a session the server dropped while idle is reopened ---------------------
