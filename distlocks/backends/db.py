@@ -1,15 +1,34 @@
 """Database lock backend: a row per held lock in the ``Lock`` table.
 
 Guarantees: a lock is a row under a unique name, inserted in one statement, so
-exactly one inserter wins. Leases are measured on the database server's clock
-(``NOW()``), never on the clients', so clock skew between hosts does not shorten
-or stretch them. An expired row is deleted by a statement that re-checks the
-expiry and only then can a new row be inserted, which gives the new holder a
-larger fencing token (the auto-increment key). Lock statements run on a
-connection of their own in autocommit mode: a lock is visible to every process
-as soon as it is taken and survives the rollback of the caller's transaction.
-If the database is down, every operation raises ``BackendUnavailable`` after
-at most ``CONNECT_TIMEOUT`` seconds (default 5).
+exactly one inserter wins. Names compare byte for byte on every database (on
+MySQL/MariaDB through a binary NO PAD collation): case, accents and trailing
+spaces make other locks; a name with a NUL is refused (ValueError). Leases are
+measured on the database server's clock, in UTC (on MySQL/MariaDB
+``UTC_TIMESTAMP``, whatever the session's time zone, so a DST change neither
+ends nor stretches them), never on the clients', so clock skew between hosts
+does not shorten or stretch them. An expired row is deleted by a statement that
+re-checks the expiry and only then can a new row be inserted, which gives the
+new holder a larger fencing token (the auto-increment key); a force-release
+given a token deletes the row only if it is still that acquisition, in the same
+statement. Lock statements run on a connection of their own in autocommit mode:
+a lock is visible to every process as soon as it is taken and survives the
+rollback of the caller's transaction.
+
+Faults: if the database is down, every operation raises ``BackendUnavailable``
+after at most ``CONNECT_TIMEOUT`` seconds (default 5). A lock statement waits
+for a lock or runs at most ``OPTIONS['TIMEOUT']`` seconds (default 5) on the
+server; an attempt to acquire that runs out of it has not acquired, any other
+operation raises ``BackendUnavailable``. MySQL/MariaDB connections also give up
+on a server that does not answer within ``TIMEOUT`` + 1 s; on PostgreSQL, TCP
+keepalives and ``tcp_user_timeout`` notice a dead host or network, but libpq has
+no read timeout: a server process that hangs while its host still answers TCP
+is not bounded. A session the server ended while the connection was idle
+(``KILL``, ``pg_terminate_backend``; ``wait_timeout`` or a restart close it the
+same way) is reopened before the next statement, which succeeds; one that dies
+during a statement raises ``BackendUnavailable`` (a lock the statement may have
+taken expires after its ``ttl``). A forked child never closes, nor talks on, its
+parent's lock connections.
 """
 
 from __future__ import annotations
@@ -122,12 +141,12 @@ def _close_if_dropped(connection: BaseDatabaseWrapper) -> None:
     and none is ever in doubt for that reason. While the connection is healthy
     this costs one ``poll()`` and no round trip.
     """
-    raw = connection.connection
-    if raw is None:
+    fileno = getattr(connection.connection, "fileno", None)  # None: closed, or SQLite (no socket)
+    if fileno is None:
         return
     try:
         poller = select.poll()
-        poller.register(raw.fileno(), select.POLLIN)
+        poller.register(fileno(), select.POLLIN)
         if not poller.poll(0):
             return
     except Exception:  # a driver connection closed underneath has no socket
