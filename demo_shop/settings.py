@@ -143,7 +143,8 @@ CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", "redis://127.0.0.1:6379/
 CELERY_RESULT_BACKEND = os.environ.get("CELERY_RESULT_BACKEND", "redis://127.0.0.1:6379/2")
 
 # How long a buy "works" between reading the stock and writing it back: the
-# window in which unsafe strategies race (the business logic of seed 002).
+# window in which unsafe strategies race (the stock decrement of jdxhb's CSDN
+# article on distributed locks, https://blog.csdn.net/jdxhb/article/details/146148374).
 DEMO_WORK_SECONDS = float(os.environ.get("DEMO_WORK_MS", "5")) / 1000
 
 USE_TZ = True

@@ -226,29 +226,22 @@ class LockAdmin(admin.ModelAdmin):
         return back
 
     def force_release_locks(self, request: HttpRequest, chosen: Sequence[tuple[str, str, int | None]]) -> None:
-        """Force-release each (alias, name, token) still held with that token; log and report each."""
+        """Force-release each (alias, name, token) still held with that token; log and report each.
+
+        The server frees a lock only if it still has the chosen token: one
+        released and taken again since the page was shown stays with its new holder.
+        """
         current: dict[str, dict[str, LockInfo]] = {}
         for alias, name, token in chosen:
             label = f"{alias}: {name}"
             try:
-                if alias not in current:
+                if alias not in current:  # who held it, for the log and the messages
                     held = held_locks([alias])
                     if alias in held.errors:
                         raise LockError(held.errors[alias], alias=alias)
                     current[alias] = {info.name: info for info in held.locks}
                 info = current[alias].get(name)
-                if info is not None and info.token != token:
-                    # Released and taken again since the page was shown: that holder is someone else.
-                    self.message_user(
-                        request,
-                        _g(
-                            "“%(lock)s” was released and taken again (token %(token)s) since you chose it: not released."
-                        )
-                        % {"lock": label, "token": info.token},
-                        messages.WARNING,
-                    )
-                    continue
-                released = info is not None and force_release(alias, name)
+                released = info is not None and force_release(alias, name, token)
             except (ImproperlyConfigured, LockError) as exc:
                 self.message_user(
                     request,
@@ -256,18 +249,26 @@ class LockAdmin(admin.ModelAdmin):
                     messages.ERROR,
                 )
                 continue
-            if info is None or not released:
+            if info is not None and released:
+                self.log_force_release(request, info)
+                self.message_user(
+                    request,
+                    _g("Force-released “%(lock)s” (held by %(owner)s). Its holder gets LockLost.")
+                    % {"lock": label, "owner": info.owner or "?"},
+                    messages.SUCCESS,
+                )
+            elif info is not None and info.token != token:
+                # Released and taken again since the page was shown: that holder is someone else.
+                self.message_user(
+                    request,
+                    _g("“%(lock)s” was released and taken again (token %(token)s) since you chose it: not released.")
+                    % {"lock": label, "token": info.token},
+                    messages.WARNING,
+                )
+            else:
                 self.message_user(
                     request, _g("“%(lock)s” is no longer held: nothing to release.") % {"lock": label}, messages.WARNING
                 )
-                continue
-            self.log_force_release(request, info)
-            self.message_user(
-                request,
-                _g("Force-released “%(lock)s” (held by %(owner)s). Its holder gets LockLost.")
-                % {"lock": label, "owner": info.owner or "?"},
-                messages.SUCCESS,
-            )
 
     def log_force_release(self, request: HttpRequest, info: LockInfo) -> None:
         """Write the force-release of ``info`` to the admin log, under the ``Lock`` content type."""

@@ -5,6 +5,7 @@ The only module of distlocks that imports Celery (``pip install 'distlocks[celer
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import string
@@ -209,23 +210,47 @@ class LockedTask(Task):
 
     def _run_locked(self, lock: DistributedLock, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         token = self._kept_token()
-        resumed = token is not None and not lock.hold_count and lock.resume(token)
-        if not resumed and not lock.acquire():
-            return self._busy(lock)
-        failed = True
+        claim = None
+        resumed = False
+        if token is not None and not lock.hold_count:
+            claim = self._claim_resume(lock)
+            resumed = claim is not None and lock.resume(token)
         try:
-            result = self.run(*args, **kwargs)
-            failed = False
-            return result
-        except Retry as retry:
-            if self.lock_across_retries:
-                # The lease must outlast the countdown: nobody renews it meanwhile.
-                _keep(lock, _seconds_until(retry.when) + lock.ttl)
-            failed = False
-            raise
+            if not resumed and not lock.acquire():
+                return self._busy(lock)
+            failed = True
+            try:
+                result = self.run(*args, **kwargs)
+                failed = False
+                return result
+            except Retry as retry:
+                if self.lock_across_retries:
+                    # The lease must outlast the countdown: nobody renews it meanwhile.
+                    _keep(lock, _seconds_until(retry.when) + lock.ttl)
+                failed = False
+                raise
+            finally:
+                if lock.hold_count:
+                    self._release(lock, failed)
         finally:
-            if lock.hold_count:
-                self._release(lock, failed)
+            if claim is not None and claim.hold_count:
+                with contextlib.suppress(LockError):
+                    claim.release()
+
+    def _claim_resume(self, lock: DistributedLock) -> DistributedLock | None:
+        """Return the claim on resuming ``lock``'s kept lease, or None if another copy of this retry has it.
+
+        A retry message delivered twice (``acks_late`` and a visibility timeout
+        shorter than the countdown) runs twice with the same owner, so both
+        copies could renew the kept lease. The claim is an ordinary lock that
+        the owner cannot re-enter by trying again: one copy resumes, the other
+        waits for the lock like any other execution.
+        """
+        claim = DistributedLock(f"resumed:{lock.name}", using=lock.alias, ttl=lock.ttl)
+        if claim.acquire(wait=0):
+            return claim
+        logger.warning("Task %s: another copy of this retry holds %r: not resuming it", self.request.id, lock.name)
+        return None
 
     def _release(self, lock: DistributedLock, failed: bool) -> None:
         try:

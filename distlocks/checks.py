@@ -53,14 +53,16 @@ def unanswered(backends: list[BaseLockBackend], seconds: float = PING_SECONDS) -
     """Warn about each backend whose server gives no answer within ``seconds`` (all pinged at once).
 
     A warning, not an error: a server may come up after the project does, and
-    until then its locks raise BackendUnavailable.
+    until then its locks raise BackendUnavailable. The warnings a server's
+    answer gave (its ``ping()``'s) come first.
     """
     failures: dict[str, str] = {}
     answered: set[str] = set()
+    found: dict[str, list[checks.CheckMessage]] = {}
 
     def ping(backend: BaseLockBackend) -> None:
         try:
-            backend.ping()
+            found[backend.alias] = backend.ping() or []
             answered.add(backend.alias)
         except (LockError, ImproperlyConfigured) as exc:
             failures[backend.alias] = str(exc)
@@ -71,7 +73,8 @@ def unanswered(backends: list[BaseLockBackend], seconds: float = PING_SECONDS) -
         thread.start()
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
-    return [
+    done = set(answered)  # as it was at the deadline: a late answer must not drop a warning
+    return [message for backend in backends if backend.alias in done for message in found[backend.alias]] + [
         checks.Warning(
             f"DISTLOCKS[{backend.alias!r}]: the server does not answer: "
             f"{failures.get(backend.alias, f'no answer within {seconds:g} s')}",
@@ -80,5 +83,5 @@ def unanswered(backends: list[BaseLockBackend], seconds: float = PING_SECONDS) -
             id="distlocks.W004",
         )
         for backend in backends
-        if backend.alias not in answered
+        if backend.alias not in done
     ]

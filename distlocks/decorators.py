@@ -49,7 +49,7 @@ def distributed_lock(
     has committed or rolled back: with ``ATOMIC_REQUESTS = True`` this decorator
     opens those transactions itself, inside the lock, so another request can
     never read the data before this one's writes are committed (the pitfall of
-    releasing a lock inside a transaction, seed 002 §2.3.2).
+    releasing a lock inside a transaction before it commits).
     """
     if ttl is not None:
         check_positive_number(ttl, "ttl")

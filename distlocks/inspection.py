@@ -37,6 +37,10 @@ def held_locks(using: Iterable[str] | None = None) -> HeldLocks:
     return result
 
 
-def force_release(alias: str, key: str) -> bool:
-    """Free the lock stored as ``key`` (a ``LockInfo.name``) whoever holds it; False if it was not held."""
-    return locks[alias].force_release(key)
+def force_release(alias: str, key: str, token: int | None = None) -> bool:
+    """Free the lock stored as ``key`` (a ``LockInfo.name``) whoever holds it; False if it was not held.
+
+    With ``token``, only that acquisition of it: the server compares and frees
+    in one step, so a lock that changed hands since it was shown stays held.
+    """
+    return locks[alias].force_release(key, token)

@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
-import os
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
 from distlocks.backends.base import BaseLockBackend, check_positive_number
 from distlocks.exceptions import LockLost, LockNotAcquired, LockNotOwned
 from distlocks.handler import DEFAULT_ALIAS, locks
+from distlocks.holds import Hold, holds
 from distlocks.owner import Owner, current_owner
 from distlocks.signals import lock_acquired, lock_released
 from distlocks.watchdog import watchdog
@@ -32,44 +31,6 @@ class _Default:
 
 
 _DEFAULT: Any = _Default()
-
-
-@dataclass(eq=False)
-class Hold:
-    """One thread's hold on one lock: shared by every lock object for that name."""
-
-    lock_class: type
-    backend: BaseLockBackend  # the holding thread's: it releases there
-    alias: str
-    name: str
-    key: str
-    owner: Owner
-    token: int
-    ttl: float
-    thread: threading.Thread = field(default_factory=threading.current_thread)
-    count: int = 1
-    lost: bool = False
-    lease_ends: float = field(default=0.0)
-
-
-_local = threading.local()
-
-
-def _holds() -> dict[tuple[str, str], Hold]:
-    """Return the calling thread's holds, keyed by (alias, key)."""
-    holds: dict[tuple[str, str], Hold] | None = getattr(_local, "holds", None)
-    if holds is None:
-        holds = _local.holds = {}
-    return holds
-
-
-def _forget_holds_after_fork() -> None:
-    """A forked child holds nothing: the locks are its parent's."""
-    global _local
-    _local = threading.local()
-
-
-os.register_at_fork(after_in_child=_forget_holds_after_fork)
 
 
 def check_wait(wait: Any) -> float | None:
@@ -123,7 +84,7 @@ class DistributedLock:
         return locks[self.alias]  # one instance per thread
 
     def _hold(self) -> Hold | None:
-        return _holds().get((self.alias, self.key))
+        return holds().get((self.alias, self.key))
 
     @property
     def token(self) -> int:
@@ -158,17 +119,37 @@ class DistributedLock:
         """
         wait = self.wait if wait is _DEFAULT else check_wait(wait)
         backend = locks[self.alias]
-        owner = current_owner()
-        holds = _holds()
-        hold = holds.get((self.alias, self.key))
+        mine = holds()
+        hold = mine.get((self.alias, self.key))
         if hold is not None:
-            if hold.lost or not backend.reenter(self.key, owner, self.ttl):
-                hold.lost = True
-                raise LockLost(self._message("was lost while held"), name=self.name, alias=self.alias)
-            hold.count += 1
-            hold.lease_ends = time.monotonic() + self.ttl
+            self._reenter(hold, backend)
             return True
+        owner = current_owner()
+        taken = self._take(backend, owner, wait)
+        if taken is None:
+            logger.debug("Lock %r on %r not acquired within %ss", self.name, self.alias, wait)
+            return False
+        token, started = taken
+        hold = Hold(type(self), backend, self.alias, self.name, self.key, owner, token, self.ttl, started + self.ttl)
+        try:
+            mine[(self.alias, self.key)] = hold
+            if self.renew:
+                watchdog().watch(hold)
+            logger.debug("Acquired lock %r on %r, token %d", self.name, self.alias, token)
+            if lock_acquired.receivers:  # sending costs microseconds even to nobody
+                lock_acquired.send_robust(sender=type(self), name=self.name, alias=self.alias, token=token)
+        except BaseException:
+            # Whatever broke here (a thread that cannot start, an interrupt),
+            # the caller is told it did not get the lock: it must not stay held.
+            mine.pop((self.alias, self.key), None)
+            watchdog().unwatch(hold)
+            with contextlib.suppress(Exception):
+                backend.release(self.key, owner)
+            raise
+        return True
 
+    def _take(self, backend: BaseLockBackend, owner: Owner, wait: float | None) -> tuple[int, float] | None:
+        """Try until the lock is taken or ``wait`` runs out: (token, when the winning request left), or None."""
         deadline = None if wait is None else time.monotonic() + wait
         attempt = 0
         token = None
@@ -179,25 +160,30 @@ class DistributedLock:
                 started = time.monotonic()
                 token = backend.try_acquire(self.key, owner, self.ttl)
                 if token is not None:
-                    break
+                    return token, started
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    logger.debug("Lock %r on %r not acquired within %ss", self.name, self.alias, wait)
-                    return False
+                    return None
                 backend.wait(self.key, attempt, remaining)
                 attempt += 1
         finally:
             backend.end_wait(self.key, acquired=token is not None)
 
-        hold = Hold(type(self), backend, self.alias, self.name, self.key, owner, token, self.ttl)
+    def _reenter(self, hold: Hold, backend: BaseLockBackend) -> None:
+        """Count one more hold, checking on the server that the lease is still ours."""
+        if hold.lost:
+            raise LockLost(self._message("was lost while held"), name=self.name, alias=self.alias)
+        started = time.monotonic()
+        try:
+            still_held = backend.reenter(self.key, hold.owner, self.ttl)
+        except Exception:
+            hold.uncounted += 1  # the server may have counted it
+            raise
+        if not still_held:
+            hold.lost = True  # the watchdog's next look tells lock_lost
+            raise LockLost(self._message("was lost while held"), name=self.name, alias=self.alias)
+        hold.count += 1
         hold.lease_ends = started + self.ttl
-        holds[(self.alias, self.key)] = hold
-        if self.renew:
-            watchdog().watch(hold)
-        logger.debug("Acquired lock %r on %r, token %d", self.name, self.alias, token)
-        if lock_acquired.receivers:  # sending costs microseconds even to nobody
-            lock_acquired.send(sender=type(self), name=self.name, alias=self.alias, token=token)
-        return True
 
     def release(self) -> None:
         """Release one hold of the lock.
@@ -205,29 +191,46 @@ class DistributedLock:
         Raise LockNotOwned if the calling thread does not hold it, LockLost if
         its lease expired, was taken over or was force-released meanwhile.
         """
-        holds = _holds()
-        hold = holds.get((self.alias, self.key))
+        mine = holds()
+        hold = mine.get((self.alias, self.key))
         if hold is None:
             raise LockNotOwned(self._message("is not held by this thread"), name=self.name, alias=self.alias)
         hold.count -= 1
-        if hold.count == 0:
-            watchdog().unwatch(hold)
-            del holds[(self.alias, self.key)]
-        if not hold.lost:
-            try:
-                hold.lost = not hold.backend.release(self.key, hold.owner)
-            except Exception:
-                # Nothing renews the lease any more: it expires on its own.
-                watchdog().unwatch(hold)
-                holds.pop((self.alias, self.key), None)
-                raise
+        if hold.count > 0:
+            self._release_inner(hold)
+            return
+        del mine[(self.alias, self.key)]
+        watchdog().unwatch(hold)
         if hold.lost:
+            with contextlib.suppress(Exception):  # our own leftovers (an expired row), if any
+                hold.backend.release(self.key, hold.owner)
+            raise LockLost(self._message("was lost while held"), name=self.name, alias=self.alias)
+        # An error here leaves the lease unrenewed: it runs out (a session-bound
+        # backend deletes its node as soon as it can).
+        released = hold.backend.release(self.key, hold.owner)
+        for _ in range(hold.uncounted if released else 0):
+            # Inner holds whose release failed may still count on the server.
+            if not hold.backend.release(self.key, hold.owner):
+                break
+        if not released:
+            raise LockLost(self._message("was lost while held"), name=self.name, alias=self.alias)
+        logger.debug("Released lock %r on %r", self.name, self.alias)
+        if lock_released.receivers:
+            lock_released.send_robust(sender=type(self), name=self.name, alias=self.alias, token=hold.token)
+
+    def _release_inner(self, hold: Hold) -> None:
+        """Release a hold that is not the last: the outer one goes on, renewed."""
+        if hold.lost:
+            raise LockLost(self._message("was lost while held"), name=self.name, alias=self.alias)
+        try:
+            still_held = hold.backend.release(self.key, hold.owner)
+        except Exception:
+            hold.uncounted += 1  # the server may still count it: the last release makes sure
+            raise
+        if not still_held:
+            hold.lost = True
             watchdog().unwatch(hold)
             raise LockLost(self._message("was lost while held"), name=self.name, alias=self.alias)
-        if hold.count == 0:
-            logger.debug("Released lock %r on %r", self.name, self.alias)
-            if lock_released.receivers:
-                lock_released.send(sender=type(self), name=self.name, alias=self.alias, token=hold.token)
 
     def detach(self, lease: float) -> int:
         """Stop holding the lock in this thread without releasing it; return its token.
@@ -236,7 +239,7 @@ class DistributedLock:
         same owner to ``resume()`` (a Celery task's retry, in any process).
         Raise LockNotOwned if this thread does not hold it, LockLost if it was lost.
         """
-        hold = _holds().pop((self.alias, self.key), None)
+        hold = holds().pop((self.alias, self.key), None)
         if hold is None:
             raise LockNotOwned(self._message("is not held by this thread"), name=self.name, alias=self.alias)
         watchdog().unwatch(hold)
@@ -256,9 +259,10 @@ class DistributedLock:
         started = time.monotonic()
         if not self._backend.extend(self.key, owner, self.ttl):
             return False
-        hold = Hold(type(self), self._backend, self.alias, self.name, self.key, owner, token, self.ttl)
-        hold.lease_ends = started + self.ttl
-        _holds()[(self.alias, self.key)] = hold
+        hold = Hold(
+            type(self), self._backend, self.alias, self.name, self.key, owner, token, self.ttl, started + self.ttl
+        )
+        holds()[(self.alias, self.key)] = hold
         if self.renew:
             watchdog().watch(hold)
         return True

@@ -81,6 +81,16 @@ def in_steps(self: LockedTask, item: str, log: str) -> int:
     return int(self.request.retries)
 
 
+@app.task(
+    bind=True, base=LockedTask, lock_name="slow-steps:{item}", lock_using="redis", lock_across_retries=True, lock_ttl=6
+)
+def in_slow_steps(self: LockedTask, item: str, log: str, seconds: float = 2.0) -> int:
+    if self.request.retries == 0:
+        note(log, "first")
+        raise self.retry(countdown=1.5)
+    return work(log, seconds)
+
+
 @app.task(base=LockedTask, lock_name="fail:{item}", lock_using="redis", lock_ttl=5)
 def failing(item: str) -> None:
     raise ValueError(f"{item} failed")

@@ -28,13 +28,15 @@ def answers(port: int) -> bool:
 class RedisServer:
     """A ``redis-server`` on 127.0.0.1:``port``, stopped by pid."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, *options: str) -> None:
         self.port = port
+        self.options = options  # more redis-server options, such as "--dir", path
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> RedisServer:
         binary = shutil.which("redis-server") or "/usr/bin/redis-server"
         command = [binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no"]
+        command += self.options
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while not answers(self.port):

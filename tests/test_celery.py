@@ -14,7 +14,7 @@ from celery.exceptions import SoftTimeLimitExceeded, TaskRevokedError, TimeLimit
 from django.core.exceptions import ImproperlyConfigured
 
 import distlocks
-from distlocks.celery import LockedTask
+from distlocks.celery import TOKEN_HEADER, LockedTask
 from distlocks.handler import locks
 from distlocks.owner import task_owner
 from tests.celery_app import (
@@ -24,6 +24,7 @@ from tests.celery_app import (
     failing,
     guarded,
     guarded_on_mariadb,
+    in_slow_steps,
     in_steps,
     retrying,
     skipping,
@@ -181,6 +182,20 @@ def test_the_lock_is_held_across_the_tasks_own_retries(celery_workers, log, name
     assert first_pid != second_pid
     assert held("redis", f"steps:{name}") is None
     assert workers("take", "redis", f"steps:{name}", 0).finish()[0] == "acquired"
+
+
+def test_a_retry_delivered_twice_runs_its_copies_one_at_a_time(celery_workers, log, name):
+    queue = f"q-{name}"
+    celery_workers(1, 2, "-Q", queue)  # two processes: the copies could run at once
+    result = in_slow_steps.apply_async((name, log), queue=queue)
+    wait_until(lambda: os.path.exists(log) and [event for event, *_ in events(log)] == ["first"])
+    token = held("redis", f"slow-steps:{name}").token
+    # The retry delivered once more, as acks_late with a visibility timeout
+    # shorter than the countdown does: same task id, same kept token.
+    in_slow_steps.apply_async((name, log), task_id=result.id, retries=1, headers={TOKEN_HEADER: token}, queue=queue)
+    wait_until(lambda: [event for event, *_ in events(log)].count("end") == 2, timeout=30)
+    assert [event for event, *_ in events(log)] == ["first", "start", "end", "start", "end"]
+    wait_until(lambda: held("redis", f"slow-steps:{name}") is None)
 
 
 def test_released_on_failure(pair, name):

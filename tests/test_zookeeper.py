@@ -125,6 +125,8 @@ def test_unreachable_ensemble(settings):
         ({"LOCATION": "127.0.0.1:2181", "OPTIONS": {"ROOT": "locks"}}, "'ROOT'\\] must start with '/'"),
         ({"LOCATION": "127.0.0.1:2181", "OPTIONS": {"SESSION_TIMEOUT": 0}}, "SESSION_TIMEOUT must be"),
         ({"LOCATION": "127.0.0.1:2181", "OPTIONS": {"CONNECT_TIMEOUT": "5"}}, "CONNECT_TIMEOUT must be"),
+        ({"LOCATION": "127.0.0.1:2181", "OPTIONS": {"ACL": "open"}}, "'ACL'\\] must be a non-empty list"),
+        ({"LOCATION": "127.0.0.1:2181", "OPTIONS": {"ACL": []}}, "'ACL'\\] must be a non-empty list"),
     ],
 )
 def test_bad_settings(settings, entry, message):

@@ -1,4 +1,4 @@
-"""Stock and orders of the demo shop (``mall_stock`` of seed 002)."""
+"""Stock and orders of the demo shop (the ``mall_stock`` table of jdxhb's CSDN article on distributed locks)."""
 
 from __future__ import annotations
 

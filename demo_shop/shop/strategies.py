@@ -1,4 +1,7 @@
-"""The ways to sell one unit of stock, safe and unsafe (seed 002 §2-3).
+"""The ways to sell one unit of stock, safe and unsafe.
+
+After §2-3 of jdxhb's "分布式锁技术全景解析" (CSDN, 2025,
+https://blog.csdn.net/jdxhb/article/details/146148374).
 
 Each strategy returns True when it sold a unit and False when the stock ran out.
 Between reading the stock and writing it back each one "works" for
@@ -95,7 +98,7 @@ def pitfall(product_id: str, alias: str) -> bool:
     The lock guards the stock update, and the rest of the order (payment,
     e-mail...) runs after it in the same transaction. The next buyer gets the
     lock while this one's decrement is still uncommitted, reads the old count
-    and overwrites it (seed 002 §2.3.2).
+    and overwrites it (the "事务" pitfall of that article, §2.3.2).
     """
     with transaction.atomic():
         with distlocks.lock(f"stock:{product_id}", using=alias, wait=60):

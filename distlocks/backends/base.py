@@ -166,8 +166,13 @@ class BaseLockBackend:
         """Where the server is, for messages about reaching it."""
         return self.location or self.alias
 
-    def ping(self) -> None:
-        """Ask the server for a trivial answer; raise BackendUnavailable if none comes (in bounded time)."""
+    def ping(self) -> list[CheckMessage] | None:
+        """Ask the server for a trivial answer; raise BackendUnavailable if none comes (in bounded time).
+
+        A backend may return warnings about what the server said of its
+        configuration: ``check()`` does no I/O, so ``manage.py check`` reports them from here.
+        """
+        return None
 
     def check(self) -> list[CheckMessage]:
         """Return system check messages about this backend's configuration (no I/O: see ``ping``)."""

@@ -11,18 +11,30 @@ whose process died is skipped: nobody listens on its channel any more. All
 keys of one lock share a hash tag, so they live in one slot of a Redis Cluster
 (untested there: ``PUBLISH`` in a cluster counts only the listeners of the node
 it runs on, so a waiter listening elsewhere would be skipped and wait for the
-lease).
+lease). Any name works: braces in it are escaped so that the hash tag is
+always well formed.
 
-Fencing tokens come from a counter key that never expires. When the counter is
-missing (first use, or a Redis restart without persistence) it starts from the
-server's clock in microseconds, so tokens keep growing across restarts as long
-as the server's clock does not go back. A restart without persistence forgets
-held locks: their holders' next renewal fails (``LockLost``) and others can take
-the lock at once. With ``appendonly yes`` nothing is forgotten.
+Fencing tokens come from a counter key that never expires, and are never
+below the server's clock in microseconds. So every token is larger than every
+earlier one of that lock as long as the server's clock does not go back: also
+when the counter is missing (first use, a restart without persistence) or
+comes back stale (a restart from an RDB snapshot; a failover to a replica
+that lagged, as long as the replica's clock is not behind its old master's).
+``force_release`` with a token compares and deletes in one script. A restart without persistence forgets held locks: their holders'
+next renewal fails (``LockLost``) and others can take the lock at once. With
+``appendonly yes`` nothing is forgotten.
+
+Locks need ``maxmemory-policy noeviction``, ideally on a Redis of their own:
+under any evicting policy a full Redis may delete a held lock's hash, and
+another process takes the lock while its holder goes on. ``manage.py check``
+(through ``ping()``) and the first use of each server in a process warn about
+such a policy when the server tells it (``CONFIG GET``; a server that refuses
+CONFIG is not checked).
 
 Set ``SOCKET_CONNECT_TIMEOUT`` and ``SOCKET_TIMEOUT`` in the cache's
-``OPTIONS``: they bound how long an unreachable server takes to raise
-``BackendUnavailable``.
+``OPTIONS`` (``manage.py check`` warns when they are missing): they bound how
+long an unreachable or hung server takes to raise ``BackendUnavailable``.
+Messages show the cache's LOCATION with its password masked.
 """
 
 from __future__ import annotations
@@ -33,9 +45,11 @@ import itertools
 import logging
 import math
 import os
+import re
 import secrets
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -55,24 +69,30 @@ WAITED_LATELY = 1.0
 # KEYS[1] is the lock hash, KEYS[2] its fencing counter, KEYS[3] its waiters'
 # queue: a sorted set of "channel|waiter id|owner secret|lease ms|owner
 # description" by arrival (ms). Each script's common case runs first and
-# returns: it makes no TIME call and creates no Lua function, which would cost
-# more than the rest of it. The hash's 'info', shown to operators only, is
+# returns: its only TIME call is the fencing token's (in TAKE), and it creates
+# no Lua function but ``take``, each of which would cost more than the rest of
+# it. The hash's 'info', shown to operators only, is
 # "<when acquired, in seconds> <owner description>": by the acquiring client's
 # clock, or the server's for a hand-over (one argument, one field: cheaper).
 
-# Give the lock to an owner: a new fencing token, one hold, the lease.
+# Give the lock to an owner: a new fencing token, one hold, the lease. The
+# token is never below the server's clock in microseconds, so that a counter
+# that comes back stale (a restart from an RDB snapshot, a failover to a
+# replica that lagged) or not at all gives no token twice. Every later token is
+# larger as long as the server's clock does not go back; when it does (or two
+# takes fall in one microsecond), the counter counts on from the last token.
 TAKE = """
 local function take(secret, lease, info)
-  local token = redis.call('INCR', KEYS[2])
-  if token == 1 then
-    -- A new counter (first use, or a restart without persistence): start from
-    -- the clock in microseconds, above every token it can have given before.
-    local clock = redis.call('TIME')
-    token = redis.call('INCRBY', KEYS[2], clock[1] .. string.format('%06d', clock[2]))
+  local clock = redis.call('TIME')
+  local token = clock[1] .. string.format('%06d', clock[2])
+  local last = redis.call('GETSET', KEYS[2], token)  -- SET ... GET needs Redis 6.2
+  if last and tonumber(last) >= tonumber(token) then
+    redis.call('SET', KEYS[2], last)
+    token = redis.call('INCR', KEYS[2])
   end
   redis.call('HSET', KEYS[1], 'owner', secret, 'count', 1, 'token', token, 'info', info)
   redis.call('PEXPIRE', KEYS[1], lease)
-  return token
+  return tonumber(token)
 end
 """
 
@@ -179,15 +199,27 @@ if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
 return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 """
 
-# return 1 if it was held
+# ARGV[1] the fencing token it must still have ('': whatever it has)
+# return 1 if it was held and is now free
 FORCE_RELEASE = (
     PASS_ON
     + """
+if ARGV[1] ~= '' and tonumber(redis.call('HGET', KEYS[1], 'token')) ~= tonumber(ARGV[1]) then return 0 end
 if redis.call('DEL', KEYS[1]) == 0 then return 0 end
 pass_on()
 return 1
 """
 )
+
+# KEYS[1] the lock hash, KEYS[2] its fencing counter / ARGV[1] the owner's secret, ARGV[2] a token
+# Redlock gave out: the hash shows it and the counter will give a larger one next.
+# return 1 if the owner holds the lock here, 0 if not
+RAISE_TOKEN = """
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'token', ARGV[2])
+if (tonumber(redis.call('GET', KEYS[2])) or 0) < tonumber(ARGV[2]) then redis.call('SET', KEYS[2], ARGV[2]) end
+return 1
+"""
 
 
 SCRIPTS = {
@@ -197,6 +229,7 @@ SCRIPTS = {
     "abandon": ABANDON,
     "extend": EXTEND,
     "force_release": FORCE_RELEASE,
+    "raise_token": RAISE_TOKEN,
 }
 
 
@@ -218,9 +251,76 @@ def _connection_errors() -> tuple[type[Exception], ...]:
     return ConnectionError, TimeoutError
 
 
+#: The cache OPTIONS that bound how long a Redis that does not answer makes a call wait.
+TIMEOUTS = ("SOCKET_CONNECT_TIMEOUT", "SOCKET_TIMEOUT")
+
+
+def _sets_timeout(cache: dict[str, Any], name: str) -> bool:
+    """Whether a django-redis cache's settings set the timeout ``name`` (in OPTIONS, or its pool's kwargs)."""
+    options = cache.get("OPTIONS") or {}
+    return bool(options.get(name) or (options.get("CONNECTION_POOL_KWARGS") or {}).get(name.lower()))
+
+
+def _without_password(url: str) -> str:
+    """``url`` with its password (``redis://user:password@host``, ``?password=``) replaced by ***."""
+    parts = urllib.parse.urlsplit(url)
+    netloc = parts.netloc
+    userinfo, at, host = netloc.rpartition("@")
+    if at and ":" in userinfo:
+        netloc = f"{userinfo.partition(':')[0]}:***@{host}"
+    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+    if any(name == "password" for name, _ in query):
+        masked = [(name, "***" if name == "password" else value) for name, value in query]
+        return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=urllib.parse.urlencode(masked, safe="*")))
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc)) if netloc != parts.netloc else url
+
+
+# The servers whose eviction policy this process has looked at (at their first use).
+_inspected: set[tuple[str, str]] = set()
+
+
+def _eviction_policy(client: Any) -> str | None:
+    """The server's ``maxmemory-policy``, or None when it does not say (CONFIG disabled, renamed or denied)."""
+    from redis.exceptions import ResponseError
+
+    try:
+        reply = client.config_get("maxmemory-policy")
+    except ResponseError:
+        return None
+    policy = {_text(name): _text(value) for name, value in reply.items()}.get("maxmemory-policy")
+    return policy or None
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def _info(owner: Owner) -> str:
     """What a lock's hash shows operators: when it was acquired (seconds) and by whom."""
     return f"{int(time.time())} {owner.description}"
+
+
+# A key's braces and backslashes, escaped in its hash tag: a '}' would end the tag early.
+_ESCAPES = {"\\": "\\\\", "{": "\\(", "}": "\\)"}
+_UNESCAPES = {escaped[1]: char for char, escaped in _ESCAPES.items()}
+
+
+@functools.lru_cache(maxsize=4096)  # built at every acquire and release
+def _lock_hash(key: str) -> str:
+    """The name of a lock's hash: the key is its hash tag, so that all the lock's keys share a cluster slot.
+
+    Braces are escaped so that the tag always ends where the key does and is
+    never empty; keys without braces or backslashes stay as they are.
+    """
+    if "{" in key or "}" in key or "\\" in key:
+        key = "".join(_ESCAPES.get(char, char) for char in key)
+    return f"distlocks:{{{key}}}"
+
+
+def _key_of(lock_hash: str) -> str:
+    """The key of a lock from its hash's name (the reverse of ``_lock_hash``)."""
+    tagged = lock_hash[len("distlocks:{") : -1]
+    return re.sub(r"\\(.)", lambda escaped: _UNESCAPES.get(escaped[1], escaped[1]), tagged)
 
 
 @functools.lru_cache(maxsize=4096)  # built at every acquire and release
@@ -422,18 +522,19 @@ class RedisBackend(BaseLockBackend):
         """Run ``script``: the lock's hot path, so without a context manager and with the scripts kept."""
         scripts = self._client_scripts
         if scripts is None:
-            scripts = self._client_scripts = _scripts(self.client)
+            client = self.client
+            self._inspect(client)
+            scripts = self._client_scripts = _scripts(client)
         try:
             return scripts[script](keys=keys, args=args)
         except _connection_errors() as exc:
             raise self._unavailable(exc) from exc
 
-    # Keys: the whole key is the hash tag, so all of one lock's keys share a slot.
     def _hash(self, key: str) -> str:
-        return f"distlocks:{{{key}}}"
+        return _lock_hash(key)
 
     def _keys(self, key: str) -> tuple[str, str, str]:
-        return _lock_keys(self._hash(key))
+        return _lock_keys(_lock_hash(key))
 
     @staticmethod
     def _ms(ttl: float) -> int:
@@ -530,7 +631,6 @@ class RedisBackend(BaseLockBackend):
 
     def _held(self) -> Iterator[LockInfo]:
         client = self.client
-        prefix = "distlocks:{"
         for raw in client.scan_iter(match="distlocks:{*}", count=500):
             name = raw.decode() if isinstance(raw, bytes) else raw
             pipe = client.pipeline(transaction=False)
@@ -544,7 +644,7 @@ class RedisBackend(BaseLockBackend):
             now = datetime.now(UTC)
             yield LockInfo(
                 alias=self.alias,
-                name=name[len(prefix) : -1],
+                name=_key_of(name),
                 owner=owner,
                 hold_count=int(fields.get("count", 0)),
                 token=int(fields["token"]) if "token" in fields else None,
@@ -552,8 +652,16 @@ class RedisBackend(BaseLockBackend):
                 expires_at=now + timedelta(milliseconds=lease_ms),
             )
 
-    def force_release(self, key: str) -> bool:
-        return bool(self._call("force_release", self._keys(key), []))
+    def force_release(self, key: str, token: int | None = None) -> bool:
+        return bool(self._call("force_release", self._keys(key), ["" if token is None else token]))
+
+    def raise_token(self, key: str, owner: Owner, token: int) -> bool:
+        """Make the hash show ``token`` and the counter give a larger one next; False if ``owner`` does not hold it.
+
+        Redlock calls it on a majority that gave smaller tokens, so that any
+        later majority, which shares a node with this one, gives a larger token.
+        """
+        return bool(self._call("raise_token", self._keys(key)[:2], [owner.secret, token]))
 
     def clear_expired(self, dry_run: bool = False) -> int:
         """Delete fencing counters of locks not held (tokens still grow: they restart from the clock)."""
@@ -573,13 +681,46 @@ class RedisBackend(BaseLockBackend):
 
     @property
     def address(self) -> str:
+        """The cache's LOCATION, with any password masked: it goes into messages and logs."""
         from django.conf import settings
 
-        return str(settings.CACHES.get(self.cache, {}).get("LOCATION", self.cache))
+        location = settings.CACHES.get(self.cache, {}).get("LOCATION", self.cache)
+        urls = location if isinstance(location, list | tuple) else [location]
+        return ", ".join(_without_password(str(url)) for url in urls)
 
-    def ping(self) -> None:
+    def ping(self) -> list[checks.CheckMessage]:
+        """Ask Redis for a PONG, and warn if its eviction policy can delete held locks."""
         with self._reaching():
-            self.client.ping()
+            client = self.client
+            client.ping()
+            return self._eviction_warnings(_eviction_policy(client))
+
+    def _eviction_warnings(self, policy: str | None) -> list[checks.CheckMessage]:
+        if policy in (None, "noeviction"):
+            return []
+        return [
+            checks.Warning(
+                f"DISTLOCKS[{self.alias!r}]: the Redis of cache {self.cache!r} evicts keys "
+                f"(maxmemory-policy {policy}): when it runs short of memory it may delete a held "
+                "lock, and another process takes it while the holder goes on.",
+                hint="Set maxmemory-policy noeviction on that server, ideally a Redis of its own for "
+                "locks (with noeviction, a full Redis refuses writes instead of forgetting).",
+                id="distlocks.W011",
+            )
+        ]
+
+    def _inspect(self, client: Any) -> None:
+        """Log a warning, once per process and server, if the server's eviction policy can delete held locks."""
+        server = (self.cache, self.address)
+        if server in _inspected:
+            return
+        try:
+            policy = _eviction_policy(client)
+        except _connection_errors():
+            return  # the call that follows says it; look again at the next first use
+        _inspected.add(server)
+        for warning in self._eviction_warnings(policy):
+            logger.warning("%s %s", warning.msg, warning.hint)
 
     def check(self) -> list[checks.CheckMessage]:
         from django.conf import settings
@@ -600,6 +741,18 @@ class RedisBackend(BaseLockBackend):
                     f"DISTLOCKS[{self.alias!r}] needs django-redis.",
                     hint="pip install 'distlocks[redis]'",
                     id="distlocks.E005",
+                )
+            ]
+        missing = [name for name in TIMEOUTS if not _sets_timeout(settings.CACHES[self.cache], name)]
+        if missing:
+            return [
+                checks.Warning(
+                    f"DISTLOCKS[{self.alias!r}] uses cache {self.cache!r}, whose OPTIONS set no "
+                    f"{' and no '.join(missing)}: a Redis that hangs stalls lock calls and lease renewals "
+                    "for redis-py's default (forever before redis-py 8).",
+                    hint="Set OPTIONS['SOCKET_CONNECT_TIMEOUT'] and OPTIONS['SOCKET_TIMEOUT'] (seconds, "
+                    "e.g. 2 and 5): they bound how long a Redis that does not answer makes a lock call wait.",
+                    id="distlocks.W010",
                 )
             ]
         return []

@@ -22,10 +22,16 @@ writes must be refused, use the database or ZooKeeper backend's tokens.
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import functools
+import os
+import queue
 import random
+import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any
 
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
@@ -35,7 +41,174 @@ from distlocks.backends.redis import RedisBackend
 from distlocks.exceptions import BackendUnavailable
 from distlocks.owner import Owner
 
-T = TypeVar("T")
+#: How long a call waits for a node, as a share of the lease: a node that answers later counts as failing.
+NODE_DEADLINE_SHARE = 0.1
+#: How long ``ping`` waits for the nodes, and the inspection and maintenance calls.
+PING_SECONDS = 2.0
+INSPECT_SECONDS = 10.0
+#: Threads per node and process that put the questions to it; a node that hangs holds at most these.
+WORKERS_PER_NODE = 8
+
+
+class _Failed:
+    """A node's answer that is none: an error, or nothing within the deadline. False, like a refusal."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.error = error
+
+    def __bool__(self) -> bool:
+        return False
+
+
+_PENDING = object()
+_LATE = _Failed()  # no answer within the deadline
+
+
+class _Round:
+    """One question put to several nodes at once: the answers that came in time."""
+
+    def __init__(self, size: int, settled: Callable[[list[Any]], bool] | None, deadline: float) -> None:
+        self.answers: list[Any] = [_PENDING] * size
+        self.settled = settled
+        self.deadline = deadline
+        self.closed = False
+        self.changed = threading.Condition(threading.Lock())
+
+    def answer(self, index: int, answer: Any) -> bool:
+        """Record a node's answer; False if it came too late: the asker went on without it."""
+        with self.changed:
+            if self.closed:
+                return False
+            self.answers[index] = answer
+            self.changed.notify()
+            return True
+
+    def wait(self) -> list[Any]:
+        """Wait until every node answered, the answers settle the question, or the deadline; close the round."""
+        with self.changed:
+            while _PENDING in self.answers and not (self.settled and self.settled(self.answers)):
+                left = self.deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.changed.wait(left)
+            self.closed = True
+            return [_LATE if answer is _PENDING else answer for answer in self.answers]
+
+
+def _settled(need: int) -> Callable[[list[Any]], bool]:
+    """Settled once ``need`` nodes said yes, or enough nodes answered no that they cannot.
+
+    A node that failed settles nothing: the others are waited for (until the
+    deadline), so that what answered is known when too few did.
+    """
+
+    def settled(answers: list[Any]) -> bool:
+        yes = sum(1 for answer in answers if answer is not _PENDING and answer)
+        no = sum(1 for answer in answers if answer is not _PENDING and not answer and not isinstance(answer, _Failed))
+        return yes >= need or (no > len(answers) - need and yes + no >= need)
+
+    return settled
+
+
+class _NodeWorkers:
+    """Daemon threads that put one node's questions to it, so that a node that hangs delays no other's."""
+
+    def __init__(self) -> None:
+        self.tasks: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.idle = threading.Semaphore(0)
+        self.count = 0
+        self.lock = threading.Lock()
+
+    def submit(self, task: Callable[[], None]) -> None:
+        self.tasks.put(task)
+        if self.idle.acquire(blocking=False):
+            return
+        with self.lock:
+            if self.count >= WORKERS_PER_NODE:
+                return  # queued: a busy worker takes it, or its deadline passes first
+            self.count += 1
+        threading.Thread(target=self._work, name="distlocks-redlock", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            self.tasks.get()()
+            self.idle.release()
+
+
+# This process's workers, per cache alias: a forked child starts without its parent's threads.
+_workers: dict[str, _NodeWorkers] = {}
+_workers_lock = threading.Lock()
+
+
+def _forget_workers_after_fork() -> None:
+    global _workers_lock
+    _workers_lock = threading.Lock()
+    _workers.clear()
+
+
+os.register_at_fork(after_in_child=_forget_workers_after_fork)
+
+
+def _workers_of(cache: str) -> _NodeWorkers:
+    workers = _workers.get(cache)
+    if workers is None:
+        with _workers_lock:
+            workers = _workers.setdefault(cache, _NodeWorkers())
+    return workers
+
+
+def _put(
+    round_: _Round, index: int, node: RedisBackend, call: Callable[[RedisBackend], Any], late: Callable[..., Any] | None
+) -> None:
+    """Put ``call`` to ``node`` for a round, unless its deadline passed while it queued; hand a late answer to ``late``."""
+    if round_.closed or time.monotonic() >= round_.deadline:
+        return  # never asked: nothing to undo
+    try:
+        answer = call(node)
+    except Exception as exc:  # any error (READONLY, OOM, MISCONF, a timeout) is that node failing
+        answer = _Failed(exc)
+    if not round_.answer(index, answer) and late is not None:
+        late(node, answer)
+
+
+class _LateTakes:
+    """The takes of one acquire that answered after it went on: kept if it acquired, else undone.
+
+    A kept take holds the lock on one more node (it was free there), which
+    the holder's renewals and release include, and shows the acquisition's
+    token; after a failed attempt it would be a partial lock, so it is given back.
+    """
+
+    def __init__(self, key: str, owner: Owner) -> None:
+        self.key = key
+        self.owner = owner
+        self.lock = threading.Lock()
+        self.acquired: bool | None = None  # not known yet
+        self.token = 0
+        self.waiting: list[tuple[RedisBackend, Any]] = []
+
+    def arrived(self, node: RedisBackend, answer: Any) -> None:
+        with self.lock:
+            if self.acquired is None:
+                self.waiting.append((node, answer))
+                return
+        self._settle_one(node, answer)
+
+    def settle(self, acquired: bool, token: int = 0) -> None:
+        with self.lock:
+            self.acquired = acquired
+            self.token = token
+            waiting, self.waiting = self.waiting, []
+        for node, answer in waiting:
+            self._settle_one(node, answer)
+
+    def _settle_one(self, node: RedisBackend, answer: Any) -> None:
+        with contextlib.suppress(Exception):
+            if self.acquired and answer and answer != self.token:
+                node.raise_token(self.key, self.owner, self.token)
+            elif not self.acquired and (answer or isinstance(answer, _Failed)):
+                # A take that failed may have taken the lock before its answer was lost.
+                node.release(self.key, self.owner)
 
 
 class RedlockBackend(BaseLockBackend):
@@ -57,18 +230,36 @@ class RedlockBackend(BaseLockBackend):
         self.nodes = [RedisBackend(f"{alias}[{cache}]", {"OPTIONS": {"CACHE": cache}}) for cache in caches]
         self.quorum = len(self.nodes) // 2 + 1
 
-    def _on_each(self, call: Callable[[RedisBackend], T]) -> list[T | None]:
-        """Run ``call`` on every node; None where the node did not answer."""
-        results: list[T | None] = []
-        for node in self.nodes:
-            try:
-                results.append(call(node))
-            except BackendUnavailable:
-                results.append(None)
-        return results
+    def _ask(
+        self,
+        call: Callable[[RedisBackend], Any],
+        seconds: float,
+        settled: Callable[[list[Any]], bool] | None = None,
+        nodes: list[int] | None = None,
+        late: Callable[[RedisBackend, Any], Any] | None = None,
+    ) -> list[Any]:
+        """Put ``call`` to the ``nodes`` (indexes; all by default) at once; return their answers in order.
 
-    def _answered(self, results: list[Any]) -> None:
-        answered = sum(result is not None for result in results)
+        Waits until all answered, ``settled(answers)`` or ``seconds`` passed; a
+        node that raised or did not answer in time gives a false ``_Failed``.
+        A late answer goes to ``late(node, answer)``, in the node's worker thread.
+        """
+        asked = list(range(len(self.nodes))) if nodes is None else nodes
+        round_ = _Round(len(asked), settled, time.monotonic() + seconds)
+        for index, node in enumerate(asked):
+            node_backend = self.nodes[node]
+            _workers_of(node_backend.cache).submit(functools.partial(_put, round_, index, node_backend, call, late))
+        answers = round_.wait()
+        for answer in answers:
+            if isinstance(answer, _Failed) and isinstance(answer.error, ImproperlyConfigured):
+                raise answer.error
+        return answers
+
+    def _deadline(self, ttl: float) -> float:
+        return ttl * NODE_DEADLINE_SHARE
+
+    def _answered(self, answers: list[Any]) -> None:
+        answered = sum(not isinstance(answer, _Failed) for answer in answers)
         if answered < self.quorum:
             raise BackendUnavailable(
                 f"Redlock {self.alias!r}: only {answered} of {len(self.nodes)} Redis nodes answer, "
@@ -78,30 +269,57 @@ class RedlockBackend(BaseLockBackend):
 
     def try_acquire(self, key: str, owner: Owner, ttl: float) -> int | None:
         started = time.monotonic()
-        tokens = self._on_each(lambda node: node.try_acquire(key, owner, ttl) or 0)
-        elapsed = time.monotonic() - started
-        validity = ttl - elapsed - (ttl * 0.01 + 0.002)
-        won = [token for token in tokens if token]
-        if len(won) >= self.quorum and validity > 0:
-            return max(won)
-        # Not a majority in time: undo what was taken, everywhere.
-        self._on_each(lambda node: node.release(key, owner))
+        late = _LateTakes(key, owner)
+        deadline = self._deadline(ttl)
+        tokens = self._ask(
+            lambda node: node.try_acquire(key, owner, ttl) or 0, deadline, _settled(self.quorum), late=late.arrived
+        )
+        won = {index: token for index, token in enumerate(tokens) if token}
+        if len(won) >= self.quorum:
+            token = max(won.values())
+            agreed = self._agree(key, owner, token, won, deadline)
+            validity = ttl - (time.monotonic() - started) - (ttl * 0.01 + 0.002)
+            if agreed and validity > 0:
+                late.settle(acquired=True, token=token)
+                return token
+        late.settle(acquired=False)
+        # Not a majority in time: undo what was taken (or may have been), everywhere it answered.
+        taken = [
+            index for index, token in enumerate(tokens) if token or (token is not _LATE and isinstance(token, _Failed))
+        ]
+        if taken:
+            self._ask(lambda node: node.release(key, owner), deadline, nodes=taken)
         self._answered(tokens)
         return None
 
+    def _agree(self, key: str, owner: Owner, token: int, won: dict[int, int], deadline: float) -> bool:
+        """Make the nodes that gave a smaller token show ``token`` and count on from it; True if a majority does.
+
+        Any later majority shares a node with this one, whose counter then
+        gives a larger token: tokens grow whatever majority answers next.
+        """
+        behind = [index for index, given in won.items() if given < token]
+        need = self.quorum - (len(won) - len(behind))
+        if not behind or need <= 0:
+            return need <= 0
+        raised = self._ask(lambda node: node.raise_token(key, owner, token), deadline, _settled(need), nodes=behind)
+        return sum(bool(answer) for answer in raised) >= need
+
     def reenter(self, key: str, owner: Owner, ttl: float) -> bool:
-        return self._majority(lambda node: node.reenter(key, owner, ttl))
+        return self._majority(lambda node: node.reenter(key, owner, ttl), ttl)
 
     def release(self, key: str, owner: Owner) -> bool:
-        return self._majority(lambda node: node.release(key, owner))
+        return self._majority(lambda node: node.release(key, owner), self.default_ttl)
 
     def extend(self, key: str, owner: Owner, ttl: float) -> bool:
-        return self._majority(lambda node: node.extend(key, owner, ttl))
+        return self._majority(lambda node: node.extend(key, owner, ttl), ttl)
 
-    def _majority(self, call: Callable[[RedisBackend], bool]) -> bool:
-        results = self._on_each(call)
-        self._answered(results)
-        return sum(bool(result) for result in results) >= self.quorum
+    def _majority(self, call: Callable[[RedisBackend], bool], ttl: float) -> bool:
+        answers = self._ask(call, self._deadline(ttl), _settled(self.quorum))
+        if sum(bool(answer) for answer in answers) >= self.quorum:
+            return True
+        self._answered(answers)
+        return False
 
     def wait(self, key: str, attempt: int, remaining: float | None) -> None:
         """Sleep a random while before the next attempt, so that clients do not retry in lockstep."""
@@ -109,13 +327,16 @@ class RedlockBackend(BaseLockBackend):
         time.sleep(delay if remaining is None else min(delay, remaining))
 
     def held(self) -> Iterator[LockInfo]:
+        """Yield the locks held on a majority, with the token a majority of the nodes show.
+
+        After an acquire the nodes of its majority agree on its token (see
+        ``_agree``); a node that took it late shows it too once it answered.
+        Without such a majority (nodes restarted meanwhile), the largest token.
+        """
         seen: dict[str, list[LockInfo]] = {}
-        for node in self.nodes:
-            try:
-                for info in node.held():
-                    seen.setdefault(info.name, []).append(info)
-            except Exception:  # a node that is down shows nothing
-                continue
+        for infos in self._ask(lambda node: list(node.held()), INSPECT_SECONDS):
+            for info in infos or []:  # a node that is down shows nothing
+                seen.setdefault(info.name, []).append(info)
         for infos in seen.values():
             if len(infos) >= self.quorum:
                 first = infos[0]
@@ -124,36 +345,46 @@ class RedlockBackend(BaseLockBackend):
                     name=first.name,
                     owner=first.owner,
                     hold_count=first.hold_count,
-                    token=max(info.token or 0 for info in infos),
+                    token=self._shown_token([info.token or 0 for info in infos]),
                     acquired_at=first.acquired_at,
                     expires_at=min(info.expires_at for info in infos if info.expires_at),
                 )
 
-    def force_release(self, key: str) -> bool:
-        return any(self._on_each(lambda node: node.force_release(key)))
+    def _shown_token(self, tokens: list[int]) -> int:
+        token, count = collections.Counter(tokens).most_common(1)[0]
+        return token if count >= self.quorum else max(tokens)
+
+    def force_release(self, key: str, token: int | None = None) -> bool:
+        """Free the lock on every node (with ``token``: on every node whose hash shows that token).
+
+        Each node compares and deletes in one script. The nodes of the
+        acquisition ``held()`` showed agree on its token, so they are all freed;
+        a node held by another acquisition (a newer holder) is left alone.
+        """
+        return any(answer is True for answer in self._ask(lambda node: node.force_release(key, token), INSPECT_SECONDS))
 
     def clear_expired(self, dry_run: bool = False) -> int:
-        return sum(count or 0 for count in self._on_each(lambda node: node.clear_expired(dry_run)))
+        answers = self._ask(lambda node: node.clear_expired(dry_run), INSPECT_SECONDS)
+        return sum(count for count in answers if not isinstance(count, _Failed))
 
     @property
     def address(self) -> str:
         return ", ".join(node.address for node in self.nodes)
 
-    def ping(self) -> None:
-        """Raise BackendUnavailable if any node does not answer: with a majority left it still works, degraded."""
+    def ping(self) -> list[checks.CheckMessage]:
+        """Raise BackendUnavailable if any node does not answer (with a majority left it still works, degraded).
 
-        def answers(node: RedisBackend) -> bool:
-            node.ping()
-            return True
-
-        answered = self._on_each(answers)
-        down = [node.address for node, answer in zip(self.nodes, answered, strict=True) if answer is None]
+        Otherwise return the nodes' warnings about their configuration.
+        """
+        answers = self._ask(lambda node: node.ping() or [], PING_SECONDS)
+        down = [node.address for node, answer in zip(self.nodes, answers, strict=True) if isinstance(answer, _Failed)]
         if down:
             raise BackendUnavailable(
                 f"Redlock {self.alias!r}: {len(down)} of {len(self.nodes)} Redis nodes do not answer ({', '.join(down)}); "
                 f"{self.quorum} are needed to lock",
                 alias=self.alias,
             )
+        return [message for found in answers for message in found]
 
     def check(self) -> list[checks.CheckMessage]:
         messages = [message for node in self.nodes for message in node.check()]

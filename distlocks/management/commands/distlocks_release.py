@@ -9,7 +9,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from distlocks.exceptions import LockError
 from distlocks.handler import DEFAULT_ALIAS
-from distlocks.inspection import force_release
+from distlocks.inspection import force_release, held_locks
 
 
 class Command(BaseCommand):
@@ -21,20 +21,43 @@ class Command(BaseCommand):
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("name", help="The lock's name, as distlocks_list prints it.")
         parser.add_argument("--using", default=DEFAULT_ALIAS, help="The DISTLOCKS alias (default: %(default)s).")
+        parser.add_argument(
+            "--token",
+            type=int,
+            help="Release it only if it is still this acquisition (its TOKEN in distlocks_list). "
+            "By default: the acquisition found when the command looks.",
+        )
         parser.add_argument("--yes", action="store_true", help="Do not ask for confirmation.")
 
-    def handle(self, *args: Any, name: str, using: str, yes: bool, **options: Any) -> None:
-        if not yes:
-            try:
-                answer = input(f"Force-release {name!r} on {using!r}? Its holder loses it. [y/N] ")
-            except EOFError:  # no terminal to ask: do nothing
-                answer = ""
-            if answer.strip().lower() not in ("y", "yes"):
-                raise CommandError("Not released.")
+    def handle(self, *args: Any, name: str, using: str, token: int | None, yes: bool, **options: Any) -> None:
         try:
-            released = force_release(using, name)
+            if token is None:
+                token, holder = self._holder(using, name)
+            else:
+                holder = f"token {token}"
+            if not yes:
+                try:
+                    answer = input(f"Force-release {name!r} on {using!r} ({holder})? Its holder loses it. [y/N] ")
+                except EOFError:  # no terminal to ask: do nothing
+                    answer = ""
+                if answer.strip().lower() not in ("y", "yes"):
+                    raise CommandError("Not released.")
+            # Only the acquisition looked at: one taken since then stays with its new holder.
+            released = force_release(using, name, token)
         except (ImproperlyConfigured, LockError) as exc:
             raise CommandError(f"{using}: {exc}") from exc
         if not released:
-            raise CommandError(f"{using}: {name!r} is not held")
+            raise CommandError(f"{using}: {name!r} is not held" + (f" with token {token}" if token is not None else ""))
         self.stdout.write(f"{using}: released {name!r}")
+
+    def _holder(self, using: str, name: str) -> tuple[int | None, str]:
+        """The current acquisition's token and a description of its holder."""
+        held = held_locks([using])
+        if using in held.errors:
+            if "cannot list" in held.errors[using]:
+                return None, "whoever holds it"
+            raise LockError(held.errors[using], alias=using)
+        info = next((info for info in held.locks if info.name == name), None)
+        if info is None:
+            raise CommandError(f"{using}: {name!r} is not held")
+        return info.token, f"held by {info.owner or '?'}, token {info.token}"

@@ -1,0 +1,192 @@
+"""Faults in the core: receivers that raise, a hung server, a failed release, interrupted watchdog threads."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+import time
+
+import pytest
+from django.core.management import CommandError, call_command
+
+import distlocks
+from distlocks.handler import locks
+from distlocks.inspection import force_release
+from distlocks.signals import lock_acquired, lock_lost
+from tests.conftest import ALIASES, DB, LEASE_ALIASES, REDIS_PORT, Holder
+from tests.faults.conftest import frozen
+
+pytestmark = DB
+
+
+def free_elsewhere(name, alias):
+    """Whether another thread (another owner) takes the lock at once; it gives it back."""
+    result = []
+
+    def take():
+        lk = distlocks.lock(name, using=alias)
+        result.append(lk.acquire(wait=0))
+        if result[0]:
+            lk.release()
+
+    thread = threading.Thread(target=take)
+    thread.start()
+    thread.join(30)
+    return result[0]
+
+
+def until(condition, seconds=10.0):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def receiver_raising(exception):
+    def receiver(sender, **kwargs):
+        raise exception
+
+    return receiver
+
+
+@pytest.mark.parametrize("alias", LEASE_ALIASES, indirect=True)
+def test_locks_are_still_renewed_after_a_lock_lost_receiver_raised(alias, name, lock_factory, caplog):
+    receiver = receiver_raising(RuntimeError("a broken lock_lost receiver"))
+    lock_lost.connect(receiver)
+    try:
+        first = lock_factory(f"{name}-first", ttl=0.6)
+        first.acquire()
+        second = lock_factory(ttl=0.6)
+        second.acquire()
+        assert locks[alias].force_release(first.key)
+        until(lambda: "a broken lock_lost receiver" in caplog.text)
+        assert first.lost
+        time.sleep(2)  # more than three leases of the second lock
+        assert not second.lost
+        assert not free_elsewhere(name, alias)
+        second.release()
+        assert free_elsewhere(name, alias)
+    finally:
+        lock_lost.disconnect(receiver)
+
+
+@pytest.mark.parametrize("alias", ["default", "redis"], indirect=True)
+def test_acquire_holds_the_lock_when_a_lock_acquired_receiver_raises(alias, name, lock_factory, caplog):
+    receiver = receiver_raising(RuntimeError("a broken lock_acquired receiver"))
+    lock_acquired.connect(receiver)
+    try:
+        lk = lock_factory()
+        with lk:
+            assert not free_elsewhere(name, alias)
+        assert "a broken lock_acquired receiver" in caplog.text
+        assert lk.hold_count == 0
+        assert free_elsewhere(name, alias)
+    finally:
+        lock_acquired.disconnect(receiver)
+
+
+@pytest.mark.parametrize("alias", ["default", "redis"], indirect=True)
+def test_an_interrupted_acquire_leaves_the_lock_free(alias, name, lock_factory):
+    # KeyboardInterrupt is no Exception: send_robust lets it through.
+    receiver = receiver_raising(KeyboardInterrupt)
+    lock_acquired.connect(receiver)
+    try:
+        lk = lock_factory()
+        with pytest.raises(KeyboardInterrupt):
+            lk.acquire()
+    finally:
+        lock_acquired.disconnect(receiver)
+    assert lk.hold_count == 0
+    assert free_elsewhere(name, alias)
+
+
+@pytest.mark.parametrize("alias", ["default", "postgresql"], indirect=True)
+def test_a_hung_server_stops_neither_other_renewals_nor_the_loss_of_its_own_locks(alias, name, lock_factory, own_redis):
+    # No SOCKET_TIMEOUT: a renewal on the frozen server hangs until it wakes.
+    server = own_redis(REDIS_PORT + 30, SOCKET_CONNECT_TIMEOUT=1)
+    lost = []
+
+    def on_lost(sender, name, alias, **kwargs):
+        lost.append((alias, time.monotonic()))
+
+    lock_lost.connect(on_lost)
+    try:
+        on_hung = distlocks.lock(f"{name}-hung", using="own", ttl=0.9)
+        on_hung.acquire()
+        elsewhere = lock_factory(ttl=0.9)
+        elsewhere.acquire()
+        with frozen(server):
+            frozen_at = time.monotonic()
+            until(lambda: on_hung.lost, seconds=5)
+            # Lost when its lease ended, while its renewal is still stuck.
+            assert lost[0][0] == "own"
+            assert lost[0][1] - frozen_at < 0.9 + 0.5
+            time.sleep(2)  # more than two leases of the other lock
+            assert not elsewhere.lost
+            assert not free_elsewhere(name, alias)
+        elsewhere.release()
+        with pytest.raises(distlocks.LockLost):
+            on_hung.release()
+    finally:
+        lock_lost.disconnect(on_lost)
+
+
+def test_the_outer_hold_stays_renewed_when_an_inner_release_fails(name, own_redis):
+    server = own_redis(REDIS_PORT + 31, SOCKET_CONNECT_TIMEOUT=0.2, SOCKET_TIMEOUT=0.2)
+    lk = distlocks.lock(name, using="own", ttl=1.5)
+    lk.acquire()
+    lk.acquire()
+    with frozen(server), pytest.raises(distlocks.BackendUnavailable):
+        lk.release()
+    assert lk.hold_count == 1
+    time.sleep(3.5)  # more than two leases: the outer critical section goes on
+    assert not lk.lost
+    assert not free_elsewhere(name, "own")
+    lk.release()
+    assert free_elsewhere(name, "own")
+
+
+def _interrupt(thread):
+    """Raise SystemExit inside ``thread`` (it goes off when the thread next runs Python code)."""
+    changed = ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(SystemExit))
+    assert changed == 1
+
+
+@pytest.mark.parametrize("alias", ["redis"], indirect=True)
+def test_renewals_go_on_when_the_watchdog_threads_are_interrupted(alias, name, lock_factory, caplog):
+    lk = lock_factory(ttl=0.6)
+    lk.acquire()
+    until(lambda: any(t.name == f"distlocks-renew-{alias}" for t in threading.enumerate()))
+    with caplog.at_level(logging.ERROR, logger="distlocks"):
+        for thread in threading.enumerate():
+            if thread.name in ("distlocks-watchdog", f"distlocks-renew-{alias}"):
+                _interrupt(thread)
+        time.sleep(2)  # more than three leases
+    assert not lk.lost
+    assert not free_elsewhere(name, alias)
+    lk.release()
+    assert free_elsewhere(name, alias)
+
+
+@pytest.mark.parametrize("alias", ALIASES, indirect=True)
+def test_a_force_release_for_a_lock_that_changed_hands_leaves_the_new_holder(alias, name):
+    first = Holder(name, alias)
+    chosen = first.token  # what the operator saw
+    key = first.lock.key
+    assert first.release() is None
+    second = Holder(name, alias)
+    assert not force_release(alias, key, chosen)
+    with pytest.raises(CommandError, match=f"not held with token {chosen}"):
+        call_command("distlocks_release", key, "--using", alias, "--token", str(chosen), "--yes")
+    assert second.release() is None  # it still held it: no LockLost
+
+
+def test_a_thread_that_ends_holding_a_zookeeper_lock_frees_it(name):
+    # A session outlives its threads: nobody else would ever delete the node.
+    lk = distlocks.lock(name, using="zookeeper", ttl=0.6)
+    thread = threading.Thread(target=lk.acquire)
+    thread.start()
+    thread.join()
+    assert not free_elsewhere(name, "zookeeper")
+    until(lambda: free_elsewhere(name, "zookeeper"), seconds=5)

@@ -1,0 +1,203 @@
+"""Faults that hit the Redis backend: a stale snapshot, an evicting server, missing timeouts, passwords, odd names."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from io import StringIO
+
+import pytest
+from django.core.management import call_command
+from django_redis import get_redis_connection
+from redis.crc import key_slot
+
+import distlocks
+from distlocks.checks import check_distlocks
+from distlocks.handler import locks
+from tests.conftest import DB, Holder
+from tests.servers import REDIS_PORT, RedisServer, answers
+
+pytestmark = DB
+
+REDIS = "distlocks.backends.redis.RedisBackend"
+PASSWORD = "hunter2-s3cret"
+
+
+@pytest.fixture
+def own_redis(settings):
+    """Return ``start(port, *options)``: a Redis server of the test's own as lock alias "own"."""
+    servers = []
+
+    def start(port, *options):
+        assert not answers(port), f"port {port} is taken"
+        servers.append(RedisServer(port, *options).start())
+        settings.CACHES = {
+            **settings.CACHES,
+            "own": {
+                "BACKEND": "django_redis.cache.RedisCache",
+                "LOCATION": f"redis://127.0.0.1:{port}/0",
+                "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 1, "SOCKET_TIMEOUT": 2},
+            },
+        }
+        settings.DISTLOCKS = {**settings.DISTLOCKS, "own": {"BACKEND": REDIS, "OPTIONS": {"CACHE": "own"}}}
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def take(name, alias="own"):
+    """Acquire and release ``name`` once; return its token (retrying while the client reconnects)."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            with distlocks.lock(name, using=alias) as lk:
+                return lk.token
+        except distlocks.BackendUnavailable:
+            assert time.monotonic() < deadline, "Redis did not come back"
+            time.sleep(0.05)
+
+
+def test_tokens_keep_increasing_when_redis_restarts_from_a_stale_snapshot(own_redis, tmp_path, name):
+    server = own_redis(16450, "--dir", str(tmp_path))
+    client = get_redis_connection("own")
+    tokens = [take(name) for _ in range(3)]
+    client.save()  # the snapshot: the fencing counter as it is now
+    tokens += [take(name) for _ in range(5)]
+    server.process.kill()  # kill -9: nothing saved since the snapshot
+    server.process.wait()
+    server.process = None
+    server.start()
+    client = get_redis_connection("own")
+    fence = locks["own"]._keys(locks["own"].make_key(name))[1]
+    assert int(client.get(fence)) < max(tokens)  # the counter came back, stale
+    assert take(name) > max(tokens)
+
+
+@pytest.mark.parametrize(("port", "policy"), [(16451, "allkeys-lru"), (16452, "volatile-ttl")])
+def test_an_evicting_redis_is_reported_by_check_and_at_first_use(own_redis, caplog, name, port, policy):
+    own_redis(port)
+    get_redis_connection("own").config_set("maxmemory-policy", policy)
+    [warning] = [message for message in check_distlocks() if message.id == "distlocks.W011"]
+    assert f"DISTLOCKS['own']: the Redis of cache 'own' evicts keys (maxmemory-policy {policy})" in warning.msg
+    assert "noeviction" in warning.hint
+    with caplog.at_level(logging.WARNING, logger="distlocks.backends.redis"):
+        take(name)
+        Holder(name, "own").release()  # another thread's first use: no second warning
+    logged = [record for record in caplog.records if f"maxmemory-policy {policy}" in record.getMessage()]
+    assert [record.levelno for record in logged] == [logging.WARNING]
+
+
+def test_a_redis_that_refuses_config_still_locks_and_checks_clean(own_redis, caplog, name):
+    own_redis(16453)
+    client = get_redis_connection("own")
+    client.config_set("maxmemory-policy", "allkeys-lru")
+    client.execute_command("ACL", "SETUSER", "default", "-config")  # as managed Redis services do
+    assert [message.id for message in check_distlocks() if message.id.startswith("distlocks.W01")] == []
+    with caplog.at_level(logging.WARNING, logger="distlocks.backends.redis"):
+        assert take(name) > 0
+    assert not [record for record in caplog.records if "maxmemory-policy" in record.getMessage()]
+
+
+def test_check_warns_when_a_lock_cache_has_no_socket_timeouts(settings):
+    def cache(options):
+        return {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": f"redis://127.0.0.1:{REDIS_PORT}/0", **options}
+
+    settings.CACHES = {
+        **settings.CACHES,
+        "untimed": cache({}),
+        "half": cache({"OPTIONS": {"SOCKET_TIMEOUT": 5}}),
+        "pooled": cache({"OPTIONS": {"CONNECTION_POOL_KWARGS": {"socket_connect_timeout": 1, "socket_timeout": 2}}}),
+    }
+    settings.DISTLOCKS = {alias: {"BACKEND": REDIS, "OPTIONS": {"CACHE": alias}} for alias in settings.CACHES}
+    del settings.DISTLOCKS["default"]  # a LocMemCache
+    warnings = {message.msg.split(" ")[0]: message for message in check_distlocks() if message.id == "distlocks.W010"}
+    assert set(warnings) == {"DISTLOCKS['untimed']", "DISTLOCKS['half']"}
+    assert "set no SOCKET_CONNECT_TIMEOUT and no SOCKET_TIMEOUT:" in warnings["DISTLOCKS['untimed']"].msg
+    assert "set no SOCKET_CONNECT_TIMEOUT:" in warnings["DISTLOCKS['half']"].msg
+    assert "OPTIONS['SOCKET_TIMEOUT']" in warnings["DISTLOCKS['half']"].hint
+
+
+def test_no_password_is_printed_by_check_or_in_errors(settings):
+    down = {"OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 1, "SOCKET_TIMEOUT": 1}, "BACKEND": "django_redis.cache.RedisCache"}
+    settings.CACHES = {
+        **settings.CACHES,
+        "secret": {**down, "LOCATION": f"redis://:{PASSWORD}@127.0.0.1:1/0"},
+        "secret_user": {**down, "LOCATION": f"redis://locks:{PASSWORD}@127.0.0.1:1/1"},
+        "secret_query": {**down, "LOCATION": f"redis://127.0.0.1:1/2?password={PASSWORD}&db=2"},
+    }
+    settings.DISTLOCKS = {
+        "secret": {"BACKEND": REDIS, "OPTIONS": {"CACHE": "secret"}},
+        "secret_query": {"BACKEND": REDIS, "OPTIONS": {"CACHE": "secret_query"}},
+        "redlock": {
+            "BACKEND": "distlocks.backends.redlock.RedlockBackend",
+            "OPTIONS": {"CACHES": ["r1", "secret_user", "secret"]},
+        },
+    }
+    out, err = StringIO(), StringIO()
+    call_command("check", tags=["distlocks"], stdout=out, stderr=err)
+    printed = out.getvalue() + err.getvalue()
+    assert "Is it running at redis://:***@127.0.0.1:1/0?" in printed  # the W004 hint, masked
+    assert "redis://locks:***@127.0.0.1:1/1" in printed  # Redlock's list of nodes down
+    assert "redis://127.0.0.1:1/2?password=***&db=2" in printed
+    errors = []
+    for alias in ("secret", "redlock"):
+        with pytest.raises(distlocks.BackendUnavailable) as info:
+            distlocks.lock("x", using=alias).acquire(wait=0)
+        errors.append(str(info.value))
+    assert PASSWORD not in printed + "".join(errors)
+
+
+def test_every_name_is_a_lock_of_its_own_in_one_cluster_slot(own_redis):
+    own_redis(16454)
+    names = ["}", "}x", "{a}", "a}b{", "a", "\\(a\\)", "{}"]
+    held = [distlocks.lock(name, using="own") for name in names]
+    for lk in held:
+        assert lk.acquire(wait=0)
+    try:
+        client, backend = get_redis_connection("own"), locks["own"]
+        for lk in held:
+            assert not _other_thread_acquires(lk.name)  # each is taken
+            lock_hash, fence, queue = backend._keys(lk.key)
+            assert client.exists(lock_hash, fence) == 2
+            assert key_slot(lock_hash.encode()) == key_slot(fence.encode()) == key_slot(queue.encode())
+        assert len({lk.token for lk in held}) == len(names)
+        assert sorted(info.name for info in backend.held()) == sorted(names)  # shown as they were given
+    finally:
+        for lk in held:
+            lk.release()
+    for name in names:
+        assert _other_thread_acquires(name)
+
+
+def _other_thread_acquires(name):
+    """Whether another thread gets ``name`` at once (it gives it back)."""
+    result = []
+
+    def attempt():
+        lk = distlocks.lock(name, using="own")
+        result.append(lk.acquire(wait=0))
+        if result[0]:
+            lk.release()
+
+    thread = threading.Thread(target=attempt)
+    thread.start()
+    thread.join(10)
+    return result[0]
+
+
+def test_force_release_with_a_stale_token_leaves_the_next_holder_alone(name):
+    backend = locks["redis"]
+    first = distlocks.lock(name, using="redis")
+    first.acquire()
+    stale = first.token
+    assert not backend.force_release(first.key, stale + 1)  # not that acquisition: left alone
+    assert backend.force_release(first.key, stale)
+    with pytest.raises(distlocks.LockLost):
+        first.release()
+    holder = Holder(name, "redis")
+    assert holder.token > stale
+    assert not backend.force_release(first.key, stale)  # the operator's stale view
+    assert holder.release() is None  # still held until its own release: not lost

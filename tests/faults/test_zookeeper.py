@@ -1,0 +1,400 @@
+"""ZooKeeper under faults: a frozen server, deleted nodes, strangers on the ensemble, odd names.
+
+A test that stops a server uses one of its own (``zk_server``), never the
+session's; each fault is injected for real (SIGSTOP/SIGCONT of the server
+process, a second client that deletes or adds nodes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from io import StringIO
+
+import pytest
+from django.core.management import call_command
+from kazoo.client import KazooClient
+from kazoo.exceptions import NoAuthError
+from kazoo.security import make_digest_acl
+
+import distlocks
+from distlocks.backends.zookeeper import _sessions
+from distlocks.handler import locks
+from distlocks.owner import current_owner
+from distlocks.signals import lock_lost
+from tests.servers import ZooKeeperServer
+
+# Ports for servers of these tests' own.
+OWN_PORTS = range(12350, 12400)
+
+
+def _free_port():
+    for port in OWN_PORTS:
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 12350-12399")
+
+
+class OwnServer(ZooKeeperServer):
+    def freeze(self):
+        os.kill(self.process.pid, signal.SIGSTOP)
+
+    def thaw(self):
+        os.kill(self.process.pid, signal.SIGCONT)
+
+
+@pytest.fixture
+def zk_server(tmp_path):
+    """A standalone ZooKeeper of this test's own, thawed, its clients closed and stopped at the end."""
+    server = OwnServer(_free_port(), str(tmp_path)).start()
+    yield server
+    server.thaw()
+    location = f"127.0.0.1:{server.port}"
+    for index in [index for index in _sessions if index[2] == location]:
+        client = _sessions.pop(index).client
+        client.stop()
+        client.close()
+    server.stop()
+
+
+def own_aliases(settings, server, *aliases, **options):
+    """Point ``aliases`` (separate sessions) at ``server``; return them."""
+    entries = dict(settings.DISTLOCKS)
+    for alias in aliases:
+        entries[alias] = {
+            "BACKEND": "distlocks.backends.zookeeper.ZooKeeperBackend",
+            "LOCATION": f"127.0.0.1:{server.port}",
+            "OPTIONS": {"ROOT": "/distlocks", **options},
+        }
+    settings.DISTLOCKS = entries
+    for alias in aliases:
+        connect(alias)
+    return aliases
+
+
+def connect(alias, within=30):
+    """Open the alias's session: a fresh server may take longer than a short CONNECT_TIMEOUT to answer."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            return locks[alias].ping()
+        except distlocks.BackendUnavailable:
+            if time.monotonic() > deadline:
+                raise
+
+
+def stranger(location):
+    """A client of the ensemble that distlocks knows nothing about (an operator's zkCli, another app)."""
+    client = KazooClient(hosts=location)
+    client.start(timeout=10)
+    return client
+
+
+def holder_node(alias, key):
+    """The path of the node that holds ``key`` (the first of the queue)."""
+    backend = locks[alias]
+    parent = backend._parent(key)
+    ours = [child for child in backend._session().client.get_children(parent) if child.startswith("lock-")]
+    return f"{parent}/{min(ours, key=lambda child: child[-10:])}"
+
+
+@pytest.fixture
+def lost_names():
+    """The names ``lock_lost`` was sent for, as an event per name."""
+    events = {}
+
+    def on_lost(sender, name, alias, token, **kwargs):
+        events.setdefault(name, threading.Event()).set()
+
+    lock_lost.connect(on_lost, weak=False)
+    yield lambda name: events.setdefault(name, threading.Event())
+    lock_lost.disconnect(on_lost)
+
+
+# -- 5: a suspended holder learns its loss before its session can have expired --
+
+
+def test_loss_is_signalled_within_the_session_timeout_when_the_server_freezes(zk_server, settings, name, lost_names):
+    session_timeout = 3
+    alias, other = own_aliases(settings, zk_server, "own", "other", SESSION_TIMEOUT=session_timeout)
+    holder = distlocks.lock(name, using=alias, ttl=30)
+    assert holder.acquire(wait=5)
+    lost = lost_names(name)
+    zk_server.freeze()
+    frozen_at = time.monotonic()
+    try:
+        # The session expires session_timeout after the server last heard from us, which was before the freeze.
+        assert lost.wait(session_timeout + 5), "lock_lost not sent while the server was frozen"
+        assert time.monotonic() - frozen_at < session_timeout + 2  # and not at the end of ttl=30
+        assert holder.lost
+    finally:
+        zk_server.thaw()
+    with pytest.raises(distlocks.LockLost):
+        holder.release()
+    # Its node is gone (the session expired, or it was deleted on reconnection): the lock is free.
+    assert distlocks.lock(name, using=other).acquire(wait=15)
+    distlocks.lock(name, using=other).release()
+
+
+def test_the_session_timeout_the_server_negotiated_is_the_one_that_bounds_a_hold(settings):
+    # The tests' servers allow 1 to 60 s: asking for 120 s gets 60, and a hold must give up after 60.
+    entry = dict(settings.DISTLOCKS["zookeeper"])
+    entry["OPTIONS"] = {**entry["OPTIONS"], "SESSION_TIMEOUT": 120}
+    settings.DISTLOCKS = {**settings.DISTLOCKS, "long": entry}
+    locks["long"].ping()
+    index = (os.getpid(), "long", locks["long"].location)
+    try:
+        assert _sessions[index].timeout == 60
+    finally:
+        client = _sessions.pop(index).client
+        client.stop()
+        client.close()
+
+
+# -- 11: re-entering a lock whose node is gone --
+
+
+def test_reentering_raises_lock_lost_when_the_node_was_deleted_by_another_client(name):
+    lk = distlocks.lock(name, using="zookeeper")
+    lk.acquire()
+    client = stranger(locks["zookeeper"].location)
+    try:
+        client.delete(holder_node("zookeeper", lk.key))
+    finally:
+        client.stop()
+        client.close()
+    with pytest.raises(distlocks.LockLost):
+        lk.acquire()
+    with pytest.raises(distlocks.LockLost):
+        lk.release()
+    assert lk.acquire(wait=5)  # and the name works again
+    lk.release()
+
+
+# -- 12: no "let it expire" on a backend without leases --
+
+
+def test_the_outermost_release_frees_the_lock_when_a_reentry_met_a_frozen_server(zk_server, settings, name):
+    alias, other = own_aliases(settings, zk_server, "own", "other", SESSION_TIMEOUT=20, CONNECT_TIMEOUT=1)
+    lk = distlocks.lock(name, using=alias)
+    assert lk.acquire(wait=5)
+    zk_server.freeze()
+    try:
+        with pytest.raises(distlocks.BackendUnavailable):
+            lk.acquire()
+    finally:
+        zk_server.thaw()
+    assert lk.hold_count == 1
+    lk.release()
+    assert distlocks.lock(name, using=other).acquire(wait=10)
+    distlocks.lock(name, using=other).release()
+
+
+def test_the_outermost_release_frees_the_lock_when_an_inner_release_met_a_frozen_server(zk_server, settings, name):
+    alias, other = own_aliases(settings, zk_server, "own", "other", SESSION_TIMEOUT=20, CONNECT_TIMEOUT=1)
+    lk = distlocks.lock(name, using=alias)
+    assert lk.acquire(wait=5)
+    assert lk.acquire(wait=5)
+    zk_server.freeze()
+    try:
+        lk.release()  # inner: only the count shown to operators could not be written
+    finally:
+        zk_server.thaw()
+    assert lk.hold_count == 1
+    lk.release()
+    assert distlocks.lock(name, using=other).acquire(wait=10)
+    distlocks.lock(name, using=other).release()
+
+
+def test_a_last_release_that_met_a_frozen_server_frees_the_lock_once_it_answers(zk_server, settings, name):
+    alias, other = own_aliases(settings, zk_server, "own", "other", SESSION_TIMEOUT=20, CONNECT_TIMEOUT=1)
+    lk = distlocks.lock(name, using=alias)
+    assert lk.acquire(wait=5)
+    zk_server.freeze()
+    try:
+        with pytest.raises(distlocks.BackendUnavailable):
+            lk.release()
+    finally:
+        zk_server.thaw()
+    assert distlocks.lock(name, using=other).acquire(wait=10)
+    distlocks.lock(name, using=other).release()
+
+
+def test_drop_frees_the_lock_of_a_thread_that_ended_holding_it_without_blocking_when_the_server_freezes(
+    zk_server, settings, name
+):
+    alias, other = own_aliases(settings, zk_server, "own", "other", SESSION_TIMEOUT=20, CONNECT_TIMEOUT=1)
+    held = []
+
+    def hold_twice_and_end():
+        lk = distlocks.lock(name, using=alias, renew=False)
+        lk.acquire()
+        lk.acquire()
+        held.append((lk.key, current_owner()))
+
+    thread = threading.Thread(target=hold_twice_and_end)
+    thread.start()
+    thread.join(30)
+    key, owner = held[0]
+    backend = locks[alias]
+    zk_server.freeze()
+    try:
+        started = time.monotonic()
+        assert backend.drop(key, owner) is True
+        assert time.monotonic() - started < 0.5
+    finally:
+        zk_server.thaw()
+    assert distlocks.lock(name, using=other).acquire(wait=10)
+    distlocks.lock(name, using=other).release()
+    assert backend.drop(key, owner) is False
+
+
+# -- 13: a create answered after its time-out --
+
+
+def test_a_create_answered_after_its_time_out_leaves_no_node_when_the_server_freezes(zk_server, settings, name):
+    alias, other = own_aliases(settings, zk_server, "own", "other", SESSION_TIMEOUT=20, CONNECT_TIMEOUT=1)
+    # Connected before the freeze (own_aliases): the create is sent, and waits in the server's socket.
+    zk_server.freeze()
+    try:
+        with pytest.raises(distlocks.BackendUnavailable):
+            distlocks.lock(name, using=alias).acquire(wait=0)
+    finally:
+        zk_server.thaw()
+    # The server creates the node now; it must be deleted again, or it blocks the lock for the session's life.
+    assert distlocks.lock(name, using=other).acquire(wait=10)
+    distlocks.lock(name, using=other).release()
+
+
+# -- 18: AUTH, ACLs and strangers' nodes --
+
+
+def test_a_client_without_the_credentials_cannot_release_or_block_a_lock_with_auth(zk_server, settings, name):
+    alias, colleague = own_aliases(settings, zk_server, "own", "colleague", AUTH=[("digest", "distlocks:secret")])
+    lk = distlocks.lock(name, using=alias)
+    lk.acquire()
+    parent = locks[alias]._parent(lk.key)
+    client = stranger(locks[alias].location)
+    try:
+        (child,) = client.get_children(parent)  # others may look
+        with pytest.raises(NoAuthError):
+            client.delete(f"{parent}/{child}")
+        with pytest.raises(NoAuthError):
+            client.create(f"{parent}/lock-", sequence=True)
+    finally:
+        client.stop()
+        client.close()
+    lk.release()
+    # The same identity in another session (another process, the admin) may.
+    lk.acquire()
+    assert locks[colleague].force_release(lk.key)
+    with pytest.raises(distlocks.LockLost):
+        lk.release()
+
+
+def test_lock_nodes_get_the_configured_acl(zk_server, settings, name):
+    acl = [make_digest_acl("distlocks", "secret", all=True), make_digest_acl("ops", "pw", read=True)]
+    (alias,) = own_aliases(settings, zk_server, "own", AUTH=[("digest", "distlocks:secret")], ACL=acl)
+    with distlocks.lock(name, using=alias) as lk:
+        client = locks[alias]._session().client
+        node = holder_node(alias, lk.key)
+        assert sorted(client.get_acls(node)[0]) == sorted(acl)
+        anyone = stranger(locks[alias].location)
+        try:
+            with pytest.raises(NoAuthError):
+                anyone.get_children(locks[alias]._parent(lk.key))
+        finally:
+            anyone.stop()
+            anyone.close()
+
+
+def test_a_strangers_child_neither_blocks_nor_holds_the_lock(name):
+    backend = locks["zookeeper"]
+    parent = backend._parent(name)
+    client = stranger(backend.location)
+    try:
+        client.create(f"{parent}/other-", sequence=True, makepath=True)  # sequence 0: below ours
+        client.create(f"{parent}/note")
+        lk = distlocks.lock(name, using="zookeeper")
+        assert lk.acquire(wait=0)
+        info = next(info for info in backend.held() if info.name == name)
+        assert info.token == lk.token
+        assert info.waiters == 0
+        lk.release()
+        assert not any(info.name == name for info in backend.held())
+    finally:
+        client.stop()
+        client.close()
+
+
+# -- 22: names ZooKeeper refuses as node names --
+
+
+def test_names_dot_dotdot_and_slash_are_distinct_working_locks_listed_as_given():
+    names = [".", "..", "a/b"]
+    backend = locks["zookeeper"]
+    held = [distlocks.lock(lock_name, using="zookeeper") for lock_name in names]
+    for lk in held:
+        assert lk.acquire(wait=0)
+    try:
+        listed = {info.name for info in backend.held()}
+        assert set(names) <= listed
+        out = StringIO()
+        call_command("distlocks_list", "--using", "zookeeper", "--json", stdout=out)
+        assert set(names) <= {row["name"] for row in json.loads(out.getvalue())}
+        # Each is its own lock: another thread finds each taken.
+        taken = []
+
+        def try_each():
+            taken.extend(distlocks.lock(lock_name, using="zookeeper").acquire(wait=0) for lock_name in names)
+
+        thread = threading.Thread(target=try_each)
+        thread.start()
+        thread.join(30)
+        assert taken == [False, False, False]
+    finally:
+        for lk in held:
+            lk.release()
+    assert not set(names) & {info.name for info in backend.held()}
+
+
+# -- 20: force-release of one acquisition --
+
+
+def test_force_release_with_a_stale_token_leaves_the_new_holder_alone(name):
+    backend = locks["zookeeper"]
+    with distlocks.lock(name, using="zookeeper") as first:
+        stale = first.token
+    thread_ready, thread_done = threading.Event(), threading.Event()
+    tokens = []
+
+    def hold():
+        second = distlocks.lock(name, using="zookeeper")
+        second.acquire()
+        tokens.append(second.token)
+        thread_ready.set()
+        thread_done.wait(30)
+        with contextlib.suppress(distlocks.LockLost):  # force-released below
+            second.release()
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    try:
+        assert thread_ready.wait(30)
+        assert tokens[0] > stale
+        assert backend.force_release(name, token=stale) is False
+        assert any(info.name == name and info.token == tokens[0] for info in backend.held())
+        assert backend.force_release(name, token=tokens[0]) is True
+        assert not any(info.name == name for info in backend.held())
+    finally:
+        thread_done.set()
+        thread.join(30)
