@@ -16,14 +16,15 @@ a lock is visible to every process as soon as it is taken and survives the
 rollback of the caller's transaction.
 
 Faults: if the database is down, every operation raises ``BackendUnavailable``
-after at most ``CONNECT_TIMEOUT`` seconds (default 5). A lock statement waits
-for a lock or runs at most ``OPTIONS['TIMEOUT']`` seconds (default 5) on the
-server; an attempt to acquire that runs out of it has not acquired, any other
-operation raises ``BackendUnavailable``. MySQL/MariaDB connections also give up
-on a server that does not answer within ``TIMEOUT`` + 1 s; on PostgreSQL, TCP
-keepalives and ``tcp_user_timeout`` notice a dead host or network, but libpq has
-no read timeout: a server process that hangs while its host still answers TCP
-is not bounded. A session the server ended while the connection was idle
+after at most ``CONNECT_TIMEOUT`` seconds (default 5). On MySQL/MariaDB and
+PostgreSQL, a lock statement waits at most ``OPTIONS['TIMEOUT']`` seconds
+(default 5) for another session's lock (on PostgreSQL it also runs at most that
+long); an attempt to acquire that runs out of it has not acquired, any other
+operation raises ``BackendUnavailable``. A server that does not answer at all
+(hung, or behind a link that swallows the packets) gets ``TIMEOUT`` + 1 s,
+rounded up to whole seconds, then the connection is closed and
+``BackendUnavailable`` raised. (SQLite waits for as long as its own ``timeout``
+option says.) A session the server ended while the connection was idle
 (``KILL``, ``pg_terminate_backend``; ``wait_timeout`` or a restart close it the
 same way) is reopened before the next statement, which succeeds; one that dies
 during a statement raises ``BackendUnavailable`` (a lock the statement may have
@@ -34,6 +35,7 @@ parent's lock connections.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import random
@@ -250,8 +252,13 @@ def _timed_out(exc: Exception | None) -> bool:
     return bool(exc.args and exc.args[0] in _MYSQL_TIMED_OUT)
 
 
+def _client_timeout(timeout: float) -> int:
+    """Seconds after which the client gives up on a silent server: the server's own timeouts would have answered."""
+    return math.ceil(timeout) + 1
+
+
 def _bound_lock_waits(sender: object, connection: BaseDatabaseWrapper, **kwargs: Any) -> None:
-    """Once a lock connection is open, end its lock waits and statements after ``TIMEOUT`` on the server.
+    """Once a lock connection is open, bound its lock waits and statements by ``TIMEOUT`` on the server.
 
     Done here rather than in the connection's options: neither startup options
     (PgBouncer refuses them) nor a second ``init_command`` (MySQL) can be relied on.
@@ -268,6 +275,10 @@ def _bound_lock_waits(sender: object, connection: BaseDatabaseWrapper, **kwargs:
             cursor.execute(
                 "SELECT set_config('lock_timeout', %s, false), set_config('statement_timeout', %s, false)", [ms, ms]
             )
+    if connection.vendor == "postgresql":
+        # libpq has no read timeout, but psycopg's wait for an answer takes one.
+        raw = connection.connection
+        raw.wait = functools.partial(type(raw).wait, raw, timeout=_client_timeout(timeout))
 
 
 connection_created.connect(_bound_lock_waits, dispatch_uid="distlocks.backends.db.bound_lock_waits")
@@ -334,23 +345,9 @@ class DatabaseBackend(BaseLockBackend):
         if base.vendor in ("mysql", "postgresql"):
             options.setdefault("connect_timeout", self.connect_timeout)
             settings_dict[_TIMEOUT_KEY] = self.timeout
-        # The client gives up on a server that stopped answering: a second after
-        # the server's own timeouts, which would have answered by then.
-        seconds = math.ceil(self.timeout) + 1
-        if base.vendor == "mysql":
-            options.setdefault("read_timeout", seconds)
-            options.setdefault("write_timeout", seconds)
-        elif base.vendor == "postgresql":
-            # libpq has no read timeout: TCP keepalives and tcp_user_timeout
-            # detect a dead host or a broken network while a statement waits.
-            for option, value in [
-                ("keepalives", 1),
-                ("keepalives_idle", seconds),
-                ("keepalives_interval", 1),
-                ("keepalives_count", 3),
-                ("tcp_user_timeout", seconds * 1000),
-            ]:
-                options.setdefault(option, value)
+        if base.vendor == "mysql":  # psycopg's: see _bound_lock_waits
+            options.setdefault("read_timeout", _client_timeout(self.timeout))
+            options.setdefault("write_timeout", _client_timeout(self.timeout))
         settings_dict["OPTIONS"] = options
         return type(base)(settings_dict, alias=self._connection_alias)
 
