@@ -118,7 +118,7 @@ def _forget_parents_connections() -> None:
             continue
         try:
             fd = raw.fileno()
-        except Exception:  # closed underneath: no socket
+        except Exception:  # SQLite, or closed underneath: no socket
             continue
         with socket.socket(socket.AF_UNIX) as unconnected:
             os.dup2(unconnected.fileno(), fd)

@@ -1,4 +1,4 @@
-"""Database backend faults: session time zones, forks, killed sessions, locked tables, collations."""
+"""Database backend faults: session time zones, forks, killed sessions, locked tables, hung servers, collations, NUL names, stale force-releases."""
 
 from __future__ import annotations
 
