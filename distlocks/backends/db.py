@@ -22,8 +22,8 @@ PostgreSQL, a lock statement waits at most ``OPTIONS['TIMEOUT']`` seconds
 long); an attempt to acquire that runs out of it has not acquired, any other
 operation raises ``BackendUnavailable``. A server that does not answer at all
 (hung, or behind a link that swallows the packets) gets ``TIMEOUT`` + 1 s,
-rounded up to whole seconds, then the connection is closed and
-``BackendUnavailable`` raised. (SQLite waits for as long as its own ``timeout``
+rounded up to whole seconds (on PostgreSQL: with psycopg 3.2 or newer), then the
+connection is closed and ``BackendUnavailable`` raised. (SQLite waits for as long as its own ``timeout``
 option says.) A session the server ended while the connection was idle
 (``KILL``, ``pg_terminate_backend``; ``wait_timeout`` or a restart close it the
 same way) is reopened before the next statement, which succeeds; one that dies
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import math
 import os
 import random
@@ -275,10 +276,17 @@ def _bound_lock_waits(sender: object, connection: BaseDatabaseWrapper, **kwargs:
             cursor.execute(
                 "SELECT set_config('lock_timeout', %s, false), set_config('statement_timeout', %s, false)", [ms, ms]
             )
-    if connection.vendor == "postgresql":
+    raw = connection.connection
+    if connection.vendor == "postgresql" and _wait_takes_timeout(type(raw)):
         # libpq has no read timeout, but psycopg's wait for an answer takes one.
-        raw = connection.connection
         raw.wait = functools.partial(type(raw).wait, raw, timeout=_client_timeout(timeout))
+
+
+@functools.cache
+def _wait_takes_timeout(connection_class: Any) -> bool:
+    """True if psycopg's ``Connection.wait()`` takes a deadline (3.2+; in 3.1 ``timeout`` was the poll interval)."""
+    parameters = inspect.signature(connection_class.wait).parameters
+    return "interval" in parameters and "timeout" in parameters
 
 
 connection_created.connect(_bound_lock_waits, dispatch_uid="distlocks.backends.db.bound_lock_waits")
