@@ -282,7 +282,6 @@ def _bound_lock_waits(sender: object, connection: BaseDatabaseWrapper, **kwargs:
         raw.wait = functools.partial(type(raw).wait, raw, timeout=_client_timeout(timeout))
 
 
-@functools.cache
 def _wait_takes_timeout(connection_class: Any) -> bool:
     """True if psycopg's ``Connection.wait()`` takes a deadline (3.2+; in 3.1 ``timeout`` was the poll interval)."""
     parameters = inspect.signature(connection_class.wait).parameters
