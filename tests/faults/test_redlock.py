@@ -178,7 +178,7 @@ def test_tokens_keep_increasing_when_the_majority_changes(nodes, name, ahead):
 
     def take(times):
         for _ in range(times):
-            with distlocks.lock(name, using="rl", ttl=1) as lk:
+            with distlocks.lock(name, using="rl", ttl=1, wait=10) as lk:
                 tokens.append(lk.token)
 
     def thaw(*indexes):
@@ -213,3 +213,23 @@ def test_force_release_with_a_stale_token_leaves_the_next_holder_alone(nodes, na
     assert not backend.force_release(second.lock.key, first.token)  # the operator's stale view
     assert nodes.holding(second.lock.key) == {0, 1, 2, 3, 4}
     assert second.release() is None
+
+
+def test_a_forked_child_asks_the_nodes_with_threads_of_its_own(nodes, name):
+    # The parent's worker threads do not exist in a child: it must start its own.
+    with distlocks.lock(name, using="rl"):
+        pass
+    pid = os.fork()
+    if pid == 0:  # the child: report through the exit status only
+        try:
+            lk = distlocks.lock(name, using="rl", ttl=5, renew=False)
+            os._exit(0 if lk.acquire(wait=0) and lk.release() is None else 1)
+        except BaseException:
+            os._exit(2)
+    deadline = time.monotonic() + 20
+    while (waited := os.waitpid(pid, os.WNOHANG)) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            pytest.fail("the forked child did not finish")
+        time.sleep(0.02)
+    assert os.waitstatus_to_exitcode(waited[1]) == 0
