@@ -19,8 +19,11 @@ def redis_url(port: int = REDIS_PORT) -> str:
 
 
 def answers(port: int) -> bool:
-    try:
-        return bool(redis.Redis(port=port, socket_connect_timeout=0.2).ping())
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    try:  # no retries: redis-py 8 retries a refused connection for seconds by default
+        return bool(redis.Redis(port=port, socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0)).ping())
     except redis.RedisError:
         return False
 

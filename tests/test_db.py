@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from django.core.exceptions import ImproperlyConfigured
 from django.db import transaction
 
 import distlocks
@@ -53,3 +54,10 @@ def test_on_sqlite_a_lock_inside_a_transaction_joins_it(alias, lock_factory):
     assert not Lock.objects.filter(lock_name=lk.key).exists()
     with pytest.raises(distlocks.LockLost):
         lk.release()
+
+
+@pytest.mark.parametrize("timeout", [0, -1, "5", float("inf")])
+def test_bad_timeout_option_is_improperly_configured(settings, timeout):
+    settings.DISTLOCKS = {"db": {"BACKEND": "distlocks.backends.db.DatabaseBackend", "OPTIONS": {"TIMEOUT": timeout}}}
+    with pytest.raises(ImproperlyConfigured, match=r"DISTLOCKS\['db'\]: OPTIONS\['TIMEOUT'\] must be"):
+        distlocks.lock("x", using="db")

@@ -1,24 +1,47 @@
 """Database lock backend: a row per held lock in the ``Lock`` table.
 
 Guarantees: a lock is a row under a unique name, inserted in one statement, so
-exactly one inserter wins. Leases are measured on the database server's clock
-(``NOW()``), never on the clients', so clock skew between hosts does not shorten
-or stretch them. An expired row is deleted by a statement that re-checks the
-expiry and only then can a new row be inserted, which gives the new holder a
-larger fencing token (the auto-increment key). Lock statements run on a
-connection of their own in autocommit mode: a lock is visible to every process
-as soon as it is taken and survives the rollback of the caller's transaction.
-If the database is down, every operation raises ``BackendUnavailable`` after
-at most ``CONNECT_TIMEOUT`` seconds (default 5).
+exactly one inserter wins. Names compare byte for byte on every database (on
+MySQL/MariaDB through a binary NO PAD collation): case, accents and trailing
+spaces make other locks; a name with a NUL is refused (ValueError). Leases are
+measured on the database server's clock, in UTC (on MySQL/MariaDB
+``UTC_TIMESTAMP``, whatever the session's time zone, so a DST change neither
+ends nor stretches them), never on the clients', so clock skew between hosts
+does not shorten or stretch them. An expired row is deleted by a statement that
+re-checks the expiry and only then can a new row be inserted, which gives the
+new holder a larger fencing token (the auto-increment key); a force-release
+given a token deletes the row only if it is still that acquisition, in the same
+statement. Lock statements run on a connection of their own in autocommit mode:
+a lock is visible to every process as soon as it is taken and survives the
+rollback of the caller's transaction.
+
+Faults: if the database is down, every operation raises ``BackendUnavailable``
+after at most ``CONNECT_TIMEOUT`` seconds (default 5). On MySQL/MariaDB and
+PostgreSQL, a lock statement waits at most ``OPTIONS['TIMEOUT']`` seconds
+(default 5) for another session's lock (on PostgreSQL it also runs at most that
+long); an attempt to acquire that runs out of it has not acquired, any other
+operation raises ``BackendUnavailable``. A server that does not answer at all
+(hung, or behind a link that swallows the packets) gets ``TIMEOUT`` + 1 s,
+rounded up to whole seconds (on PostgreSQL: with psycopg 3.2 or newer), then the
+connection is closed and ``BackendUnavailable`` raised. (SQLite waits for as long as its own ``timeout``
+option says.) A session the server ended while the connection was idle
+(``KILL``, ``pg_terminate_backend``; ``wait_timeout`` or a restart close it the
+same way) is reopened before the next statement, which succeeds; one that dies
+during a statement raises ``BackendUnavailable`` (a lock the statement may have
+taken expires after its ``ttl``). A forked child never closes, nor talks on, its
+parent's lock connections.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import math
 import os
 import random
 import select
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -65,8 +88,8 @@ DEFAULT_TIMEOUT = 5.0
 _TIMEOUT_KEY = "DISTLOCKS_TIMEOUT"
 
 
-# Every lock connection with the thread it serves: a thread that ended without
-# closing its connection has it closed when the next one is opened.
+# Every lock connection of this process with the thread it serves: a thread that
+# ended without closing its connection has it closed when the next one is opened.
 _opened: list[tuple[threading.Thread, BaseDatabaseWrapper]] = []
 _opened_lock = threading.Lock()
 
@@ -78,6 +101,31 @@ def _track(connection: BaseDatabaseWrapper) -> None:
             stale.close()
             _opened.remove((thread, stale))
         _opened.append((threading.current_thread(), connection))
+
+
+def _forget_parents_connections() -> None:
+    """In a forked child, let go of the lock connections, which are the parent's, without a word to the server.
+
+    Closing one, or merely freeing it (mysqlclient says goodbye to the server
+    then), would end the parent's session on the socket both share. So, in this
+    process only, each socket is swapped for an unconnected one: whatever
+    happens to these connections here reaches nobody.
+    """
+    global _opened, _opened_lock
+    inherited, _opened, _opened_lock = _opened, [], threading.Lock()
+    for _, connection in inherited:
+        raw = connection.connection
+        if raw is None:
+            continue
+        try:
+            fd = raw.fileno()
+        except Exception:  # SQLite, or closed underneath: no socket
+            continue
+        with socket.socket(socket.AF_UNIX) as unconnected:
+            os.dup2(unconnected.fileno(), fd)
+
+
+os.register_at_fork(after_in_child=_forget_parents_connections)
 
 
 def close_connections() -> None:
@@ -96,12 +144,12 @@ def _close_if_dropped(connection: BaseDatabaseWrapper) -> None:
     and none is ever in doubt for that reason. While the connection is healthy
     this costs one ``poll()`` and no round trip.
     """
-    raw = connection.connection
-    if raw is None:
+    fileno = getattr(connection.connection, "fileno", None)  # None: closed, or SQLite (no socket)
+    if fileno is None:
         return
     try:
         poller = select.poll()
-        poller.register(raw.fileno(), select.POLLIN)
+        poller.register(fileno(), select.POLLIN)
         if not poller.poll(0):
             return
     except Exception:  # a driver connection closed underneath has no socket
@@ -205,8 +253,13 @@ def _timed_out(exc: Exception | None) -> bool:
     return bool(exc.args and exc.args[0] in _MYSQL_TIMED_OUT)
 
 
+def _client_timeout(timeout: float) -> int:
+    """Seconds after which the client gives up on a silent server: the server's own timeouts would have answered."""
+    return math.ceil(timeout) + 1
+
+
 def _bound_lock_waits(sender: object, connection: BaseDatabaseWrapper, **kwargs: Any) -> None:
-    """Once a lock connection is open, end its lock waits and statements after ``TIMEOUT`` on the server.
+    """Once a lock connection is open, bound its lock waits and statements by ``TIMEOUT`` on the server.
 
     Done here rather than in the connection's options: neither startup options
     (PgBouncer refuses them) nor a second ``init_command`` (MySQL) can be relied on.
@@ -223,6 +276,16 @@ def _bound_lock_waits(sender: object, connection: BaseDatabaseWrapper, **kwargs:
             cursor.execute(
                 "SELECT set_config('lock_timeout', %s, false), set_config('statement_timeout', %s, false)", [ms, ms]
             )
+    raw = connection.connection
+    if connection.vendor == "postgresql" and _wait_takes_timeout(type(raw)):
+        # libpq has no read timeout, but psycopg's wait for an answer takes one.
+        raw.wait = functools.partial(type(raw).wait, raw, timeout=_client_timeout(timeout))
+
+
+def _wait_takes_timeout(connection_class: Any) -> bool:
+    """True if psycopg's ``Connection.wait()`` takes a deadline (3.2+; in 3.1 ``timeout`` was the poll interval)."""
+    parameters = inspect.signature(connection_class.wait).parameters
+    return "interval" in parameters and "timeout" in parameters
 
 
 connection_created.connect(_bound_lock_waits, dispatch_uid="distlocks.backends.db.bound_lock_waits")
@@ -289,23 +352,9 @@ class DatabaseBackend(BaseLockBackend):
         if base.vendor in ("mysql", "postgresql"):
             options.setdefault("connect_timeout", self.connect_timeout)
             settings_dict[_TIMEOUT_KEY] = self.timeout
-        # The client gives up on a server that stopped answering: a second after
-        # the server's own timeouts, which would have answered by then.
-        seconds = math.ceil(self.timeout) + 1
-        if base.vendor == "mysql":
-            options.setdefault("read_timeout", seconds)
-            options.setdefault("write_timeout", seconds)
-        elif base.vendor == "postgresql":
-            # libpq has no read timeout: TCP keepalives and tcp_user_timeout
-            # detect a dead host or a broken network while a statement waits.
-            for option, value in [
-                ("keepalives", 1),
-                ("keepalives_idle", seconds),
-                ("keepalives_interval", 1),
-                ("keepalives_count", 3),
-                ("tcp_user_timeout", seconds * 1000),
-            ]:
-                options.setdefault(option, value)
+        if base.vendor == "mysql":  # psycopg's: see _bound_lock_waits
+            options.setdefault("read_timeout", _client_timeout(self.timeout))
+            options.setdefault("write_timeout", _client_timeout(self.timeout))
         settings_dict["OPTIONS"] = options
         return type(base)(settings_dict, alias=self._connection_alias)
 

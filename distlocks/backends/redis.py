@@ -20,9 +20,10 @@ earlier one of that lock as long as the server's clock does not go back: also
 when the counter is missing (first use, a restart without persistence) or
 comes back stale (a restart from an RDB snapshot; a failover to a replica
 that lagged, as long as the replica's clock is not behind its old master's).
-``force_release`` with a token compares and deletes in one script. A restart without persistence forgets held locks: their holders'
-next renewal fails (``LockLost``) and others can take the lock at once. With
-``appendonly yes`` nothing is forgotten.
+A restart without persistence forgets held locks: their holders' next renewal
+fails (``LockLost``) and others can take the lock at once. With ``appendonly
+yes`` nothing is forgotten. ``force_release`` with a token compares and
+deletes in one script: it never frees a later holder's lock.
 
 Locks need ``maxmemory-policy noeviction``, ideally on a Redis of their own:
 under any evicting policy a full Redis may delete a held lock's hash, and

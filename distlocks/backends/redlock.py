@@ -9,15 +9,32 @@ nodes being down or restarted empty; with a majority down nothing can be
 acquired: ``LockNotAcquired`` after ``wait``, or ``BackendUnavailable`` when not
 even a majority of nodes answers.
 
+The nodes are asked at once, each by a few daemon threads of its own per
+process, and a call waits for a node at most a tenth of the lease
+(``NODE_DEADLINE_SHARE``), returning as soon as the answers settle it: a node
+that hangs (a black hole: connections accepted, never answered) costs at most
+that, never its socket timeout, and delays no other node. Any error from a node
+(``READONLY`` after a failover, ``OOM``, ``MISCONF``, a timeout) or an answer
+after the deadline counts as that node failing. A take that answers late is
+given back if the attempt failed, and kept (it holds the lock on one more node)
+if it succeeded.
+
+The fencing token is the largest of the tokens the majority gave; the nodes of
+that majority that gave smaller ones are then raised to it (their counters and
+hashes), and the attempt fails unless a majority shows it. Any later majority
+shares a node with this one, so it gives a larger token: tokens keep growing
+while the majority that answers changes, also when the nodes' counters started
+at different times or one node's runs ahead (a fast clock), as long as the
+nodes keep their counters. Force-release compares the token on each node.
+
 What Redlock does *not* give (Kleppmann, "How to do distributed locking", and
 antirez's reply "Is Redlock safe?"): its safety assumes bounded clock drift and
 process pauses shorter than the lease; a node that restarts without persistence
-can let a second client in, unless it stays down for a lease. Its fencing token
-is the largest of the nodes' counters that took part: it grows as long as a
-majority of those nodes keep their counters, and every counter restarts from
-its server's clock in microseconds, but two nodes' clocks are not one counter,
-so it is **not** a strict fencing token across node restarts. Where stale
-writes must be refused, use the database or ZooKeeper backend's tokens.
+can let a second client in, unless it stays down for a lease. A node restarted
+without its counter gives tokens from its own clock in microseconds, which need
+not be above a token that came from a node whose clock runs ahead: the token is
+**not** a strict fencing token across node restarts. Where stale writes must be
+refused, use the database or ZooKeeper backend's tokens.
 """
 
 from __future__ import annotations

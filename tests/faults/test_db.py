@@ -1,8 +1,11 @@
-"""Database backend faults: session time zones, forks, killed sessions, locked tables, collations."""
+"""Database backend faults: session time zones, forks, killed sessions, locked tables, hung servers, collations, NUL names, stale force-releases."""
 
 from __future__ import annotations
 
 import contextlib
+import gc
+import os
+import socket
 import threading
 import time
 from datetime import UTC, datetime, timedelta
@@ -13,6 +16,7 @@ from django.db import connections
 from django.test import override_settings
 
 import distlocks
+from distlocks.backends.db import close_connections
 from distlocks.handler import locks
 from distlocks.owner import current_owner
 from tests.conftest import DB, DB_ALIASES, Holder
@@ -102,6 +106,50 @@ def test_lease_is_utc_and_lasts_ttl_when_session_time_zone_changes(alias, name):
         lk.release()
 
 
+# -- 14: a forked child never closes its parent's lock connections ---------------
+
+
+@servers
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_parent_keeps_its_lock_connections_when_forked_child_takes_a_lock(alias, name):
+    ready, go, done = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def parent_holder():
+        lk = distlocks.lock(name, using=alias, renew=False)
+        assert lk.acquire(wait=0)
+        seen["before"] = session_id(lock_connection(alias))
+        ready.set()
+        go.wait(30)
+        try:
+            lk.release()
+            seen["released"] = True
+        except distlocks.LockError as exc:
+            seen["released"] = exc
+        seen["after"] = session_id(lock_connection(alias))
+        done.set()
+
+    thread = threading.Thread(target=parent_holder)
+    thread.start()
+    assert ready.wait(30)
+    pid = os.fork()
+    if pid == 0:  # the child: take a lock of its own, let go of everything, exit
+        code = 1
+        try:
+            code = 0 if take(f"{name}-child", alias) else 2
+            gc.collect()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    go.set()
+    thread.join(30)
+    assert done.is_set()
+    assert seen["released"] is True
+    assert seen["after"] == seen["before"], "the parent's lock session was closed by its child"
+    assert in_thread(lambda: take(name, alias))
+
+
 # -- 15: a session the server dropped while idle is reopened ---------------------
 
 
@@ -186,6 +234,88 @@ def test_acquire_and_extend_end_within_timeout_when_lock_table_is_locked(alias, 
         held.release()
         assert other.acquire(wait=0)
         other.release()
+
+
+class FreezableProxy:
+    """A TCP proxy to a database server; frozen, it takes bytes and passes nothing on, like a hung server."""
+
+    def __init__(self, port):
+        self.target = port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.flowing = threading.Event()
+        self.flowing.set()
+        self.sockets = [self.listener]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.target))
+            self.sockets += [client, server]
+            for source, sink in ((client, server), (server, client)):
+                threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
+
+    def _pipe(self, source, sink):
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                self.flowing.wait()
+                sink.sendall(data)
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_WR)
+
+    @contextlib.contextmanager
+    def frozen(self, most=10):
+        """Pass nothing on while the block runs (for at most ``most`` seconds)."""
+        self.flowing.clear()
+        thaw = threading.Timer(most, self.flowing.set)
+        thaw.start()
+        try:
+            yield
+        finally:
+            thaw.cancel()
+            self.flowing.set()
+
+    def close(self):
+        self.flowing.set()
+        for sock in self.sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the pipe threads; close() alone would not
+            sock.close()
+
+
+@contextlib.contextmanager
+def behind_proxy(alias):
+    """Yield a FreezableProxy to ``alias``'s server, and lock alias "proxied" (TIMEOUT 1 s) that goes through it."""
+    database = dict(connections[alias].settings_dict)
+    proxy = FreezableProxy(int(database["PORT"]))
+    connections.settings["proxied"] = {**database, "HOST": "127.0.0.1", "PORT": str(proxy.port)}
+    proxied = {"BACKEND": settings.DISTLOCKS[alias]["BACKEND"], "OPTIONS": {"DATABASE": "proxied", "TIMEOUT": 1}}
+    try:
+        with override_settings(DISTLOCKS={**settings.DISTLOCKS, "proxied": proxied}):
+            yield proxy
+    finally:
+        close_connections()  # while the proxy still passes the goodbye on
+        proxy.close()
+        del connections.settings["proxied"]
+        with contextlib.suppress(AttributeError):
+            del connections["proxied"]
+
+
+@servers
+def test_extend_raises_within_timeout_when_server_hangs(alias, name):
+    with behind_proxy(alias) as proxy:
+        lk = distlocks.lock(name, using="proxied", ttl=30, renew=False)
+        assert lk.acquire(wait=0)
+        with proxy.frozen():
+            outcome, seconds = timed(lambda: locks["proxied"].extend(lk.key, current_owner(), 30))
+        assert isinstance(outcome, distlocks.BackendUnavailable), outcome
+        assert seconds < 5
+        # The server answers again: the next statement runs on a new connection.
+        lk.release()
 
 
 # -- 19: names compare byte for byte ---------------------------------------------

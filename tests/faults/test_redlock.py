@@ -1,0 +1,235 @@
+"""Faults that hit Redlock: nodes that answer errors, black-holed nodes, a majority that changes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+from django_redis import get_redis_connection
+
+import distlocks
+from distlocks.backends.redlock import NODE_DEADLINE_SHARE
+from distlocks.handler import locks
+from distlocks.owner import current_owner
+from tests.conftest import DB, Holder
+from tests.servers import RedisServer, answers
+
+pytestmark = DB
+
+PORTS = [16470 + i for i in range(5)]
+
+
+class Nodes:
+    """Five Redis servers of the test's own, as the Redlock alias "rl" (caches n1..n5)."""
+
+    def __init__(self, settings, socket_timeout):
+        assert not any(answers(port) for port in PORTS), f"ports {PORTS} are taken"
+        self.servers = [RedisServer(port).start() for port in PORTS]
+        self.stopped = set()
+        caches = {
+            f"n{i}": {
+                "BACKEND": "django_redis.cache.RedisCache",
+                "LOCATION": f"redis://127.0.0.1:{port}/0",
+                "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": socket_timeout, "SOCKET_TIMEOUT": socket_timeout},
+            }
+            for i, port in enumerate(PORTS, 1)
+        }
+        settings.CACHES = {**settings.CACHES, **caches}
+        settings.DISTLOCKS = {
+            **settings.DISTLOCKS,
+            "rl": {"BACKEND": "distlocks.backends.redlock.RedlockBackend", "OPTIONS": {"CACHES": list(caches)}},
+        }
+
+    def client(self, index):
+        return get_redis_connection(f"n{index + 1}")
+
+    def freeze(self, *indexes):
+        """Black-hole these nodes: the kernel still accepts and buffers, the server never answers."""
+        for index in indexes:
+            os.kill(self.servers[index].process.pid, signal.SIGSTOP)
+            self.stopped.add(index)
+
+    def thaw(self, *indexes):
+        for index in indexes:
+            os.kill(self.servers[index].process.pid, signal.SIGCONT)
+            self.stopped.discard(index)
+
+    def holding(self, key):
+        """The indexes of the running nodes that hold a lock on ``key``."""
+        backend = locks["rl"]
+        return {
+            index
+            for index in range(len(PORTS))
+            if index not in self.stopped and self.client(index).exists(backend.nodes[index]._hash(key))
+        }
+
+    def close(self):
+        self.thaw(*list(self.stopped))
+        for server in self.servers:
+            server.stop()
+
+
+@pytest.fixture
+def nodes(settings, request):
+    """The test's own five nodes, with the socket timeout the test parametrizes (1 s by default)."""
+    own = Nodes(settings, getattr(request, "param", 1))
+    yield own
+    own.close()
+
+
+# A socket timeout far above what the test tolerates: no call may wait for it.
+LONG_SOCKET_TIMEOUT = pytest.mark.parametrize("nodes", [10], indirect=True, ids=["socket_timeout=10"])
+
+
+def other_thread_acquires(name, **kwargs):
+    result = []
+
+    def attempt():
+        lk = distlocks.lock(name, using="rl", **kwargs)
+        result.append(lk.acquire(wait=0))
+        if result[0]:
+            lk.release()
+
+    thread = threading.Thread(target=attempt)
+    thread.start()
+    thread.join(30)
+    return result[0]
+
+
+def answer_errors(nodes, oom=(), readonly=()):
+    for index in oom:  # every write refused: OOM command not allowed when used memory > 'maxmemory'
+        nodes.client(index).config_set("maxmemory-policy", "noeviction")
+        nodes.client(index).config_set("maxmemory", 1)
+    for index in readonly:  # a replica of a master that is not there: READONLY You can't write against a replica
+        nodes.client(index).execute_command("REPLICAOF", "127.0.0.1", "1")
+
+
+def test_a_majority_locks_when_two_nodes_answer_errors(nodes, name):
+    answer_errors(nodes, oom=[0], readonly=[1])
+    lk = distlocks.lock(name, using="rl", ttl=5)
+    assert lk.acquire(wait=0)
+    assert nodes.holding(lk.key) == {2, 3, 4}
+    assert other_thread_acquires(name) is False
+    assert lk.acquire(wait=0)  # re-entered
+    assert locks["rl"].extend(lk.key, current_owner(), 5)  # renewed
+    lk.release()
+    lk.release()
+    assert nodes.holding(lk.key) == set()
+    assert other_thread_acquires(name) is True
+
+
+def test_a_failed_attempt_leaves_nothing_when_a_majority_answers_errors(nodes, name):
+    answer_errors(nodes, oom=[0, 2], readonly=[1])
+    with pytest.raises(distlocks.BackendUnavailable, match="only 2 of 5 Redis nodes answer, 3 are needed"):
+        distlocks.lock(name, using="rl", ttl=5).acquire(wait=0)
+    assert nodes.holding(locks["rl"].make_key(name)) == set()  # the two it took are given back
+
+
+@LONG_SOCKET_TIMEOUT
+def test_two_black_holed_nodes_cost_at_most_a_deadline_not_a_socket_timeout(nodes, name):
+    ttl = 2.0
+    deadline = ttl * NODE_DEADLINE_SHARE
+    slack = 1.0  # this machine is shared: far below the 10 s socket timeout all the same
+    nodes.freeze(3, 4)
+    lk = distlocks.lock(name, using="rl", ttl=ttl)
+
+    def timed(call):
+        started = time.monotonic()
+        result = call()
+        assert time.monotonic() - started < deadline + slack
+        return result
+
+    assert timed(lambda: lk.acquire(wait=0))
+    assert timed(lambda: other_thread_acquires(name)) is False  # mutual exclusion holds
+    assert timed(lambda: locks["rl"].extend(lk.key, current_owner(), ttl))
+    timed(lk.release)
+    assert timed(lambda: other_thread_acquires(name)) is True
+
+
+@LONG_SOCKET_TIMEOUT
+def test_takes_that_answer_after_the_deadline_of_a_failed_attempt_are_undone(nodes, name):
+    nodes.freeze(0, 1, 2)
+    lk = distlocks.lock(name, using="rl", ttl=2)
+    started = time.monotonic()
+    with pytest.raises(distlocks.BackendUnavailable, match="only 2 of 5 Redis nodes answer"):
+        lk.acquire(wait=0)  # takes nodes 3 and 4 in time, gives them back
+    assert time.monotonic() - started < 2 * 2 * NODE_DEADLINE_SHARE + 1.0
+    assert nodes.holding(lk.key) == set()
+    nodes.thaw(0, 1, 2)  # the takes they buffered run now, late: each is undone when it answers
+    _until(lambda: nodes.holding(lk.key) == set(), f"left behind on {nodes.holding(lk.key)}")
+    assert other_thread_acquires(name) is True
+
+
+def _until(condition, message="timed out", seconds=10.0):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, message
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("ahead", [0, 60], ids=["same-clocks", "a-clock-a-minute-ahead"])
+def test_tokens_keep_increasing_when_the_majority_changes(nodes, name, ahead):
+    backend = locks["rl"]
+    key = backend.make_key(name)
+    tokens = []
+
+    def take(times):
+        for _ in range(times):
+            with distlocks.lock(name, using="rl", ttl=1, wait=10) as lk:
+                tokens.append(lk.token)
+
+    def thaw(*indexes):
+        nodes.thaw(*indexes)
+        # What they buffered while frozen runs now: wait until those late leases are gone.
+        _until(lambda: nodes.holding(key) == set())
+
+    nodes.freeze(0)
+    take(5)  # the counters of nodes 1-4 start
+    thaw(0)
+    if ahead:
+        # The counter of a node whose clock runs ``ahead`` seconds fast (tokens never go below the clock).
+        fence = backend.nodes[0]._keys(key)[1]
+        nodes.client(0).set(fence, (time.time_ns() // 1000) + ahead * 1_000_000)
+    nodes.freeze(3, 4)
+    take(20)  # only {0, 1, 2}: node 0's counter started later (or runs ahead)
+    thaw(3, 4)
+    nodes.freeze(0, 1)
+    take(20)  # only {2, 3, 4}
+    assert tokens == sorted(set(tokens))  # strictly increasing
+
+
+def test_force_release_with_a_stale_token_leaves_the_next_holder_alone(nodes, name):
+    backend = locks["rl"]
+    first = Holder(name, "rl")
+    [shown] = [info.token for info in backend.held() if info.name == first.lock.key]
+    assert shown == first.token  # the nodes of its majority agree on it
+    assert not backend.force_release(first.lock.key, first.token + 1)
+    assert backend.force_release(first.lock.key, first.token)
+    assert isinstance(first.release(), distlocks.LockLost)
+    second = Holder(name, "rl")
+    assert not backend.force_release(second.lock.key, first.token)  # the operator's stale view
+    assert nodes.holding(second.lock.key) == {0, 1, 2, 3, 4}
+    assert second.release() is None
+
+
+def test_a_forked_child_asks_the_nodes_with_threads_of_its_own(nodes, name):
+    # The parent's worker threads do not exist in a child: it must start its own.
+    with distlocks.lock(name, using="rl"):
+        pass
+    pid = os.fork()
+    if pid == 0:  # the child: report through the exit status only
+        try:
+            lk = distlocks.lock(name, using="rl", ttl=5, renew=False)
+            os._exit(0 if lk.acquire(wait=0) and lk.release() is None else 1)
+        except BaseException:
+            os._exit(2)
+    deadline = time.monotonic() + 20
+    while (waited := os.waitpid(pid, os.WNOHANG)) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            pytest.fail("the forked child did not finish")
+        time.sleep(0.02)
+    assert os.waitstatus_to_exitcode(waited[1]) == 0
