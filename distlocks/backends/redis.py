@@ -340,6 +340,7 @@ class _Waiter:
         self.wake = threading.Event()
         self.token = 0
         self.queued = False  # an attempt put its entry in the lock's queue
+        self.queued_at = 0.0  # when the first such attempt was sent (monotonic): no hand-over came before
         self.retry = False  # the channel was (re)subscribed: releases may have been missed
 
     def queue_entry(self, owner: Owner, lease_ms: int) -> str:
@@ -544,19 +545,37 @@ class RedisBackend(BaseLockBackend):
     def try_acquire(self, key: str, owner: Owner, ttl: float) -> int | None:
         waiter = self._waiting.get(key)
         if waiter is not None and waiter.token:
-            return waiter.token  # a release handed it over
+            return self._handed_over(key, owner, ttl, waiter, waiter.token)
         lease = self._ms(ttl)
         args = [owner.secret, lease, _info(owner)]
         if waiter is not None:
             args.append(waiter.queue_entry(owner, lease))
             if waiter.queued:
                 args.append("queued")
+        sent = time.monotonic()
         token = int(self._call("acquire", self._keys(key), args))
         if token > 0:
-            return token
-        if waiter is not None:
+            # Taken now, or (a queued waiter) handed over by a release whose message it had not read.
+            return self._handed_over(key, owner, ttl, waiter, token) if waiter and waiter.queued else token
+        if waiter is not None and not waiter.queued:
             waiter.queued = True
+            waiter.queued_at = sent
         self._wait_hint[key] = -token / 1000
+        return None
+
+    def _handed_over(self, key: str, owner: Owner, ttl: float, waiter: _Waiter, token: int) -> int | None:
+        """Take a lock a release handed to ``waiter``, if its lease is surely still ours.
+
+        The lease began at the hand-over, which came after the waiter queued: a
+        waiter that queued less than a third of ``ttl`` ago has two thirds of the
+        lease ahead at least. One that waited longer, or whose process was paused
+        meanwhile, renews it first: the lease may have run out and the lock gone
+        to someone else. Then it queues again.
+        """
+        waiter.token = 0
+        if time.monotonic() - waiter.queued_at <= ttl / 3 or self.extend(key, owner, ttl):
+            return token
+        logger.info("A lock handed over to a waiter was gone when it woke: queueing again")
         return None
 
     def reenter(self, key: str, owner: Owner, ttl: float) -> bool:

@@ -201,3 +201,29 @@ def test_force_release_with_a_stale_token_leaves_the_next_holder_alone(name):
     assert holder.token > stale
     assert not backend.force_release(first.key, stale)  # the operator's stale view
     assert holder.release() is None  # still held until its own release: not lost
+
+
+def test_a_waiter_paused_past_its_handed_over_lease_does_not_take_the_lock_from_the_next_holder(name, workers):
+    import os
+    import signal
+
+    holder = distlocks.lock(name, using="redis", ttl=1)
+    holder.acquire()
+    waiter = workers("hold", "redis", name, 1)  # waits in the queue, then holds with ttl=1
+    client, queue = locks["redis"].client, f"distlocks:{{{locks['redis'].make_key(name)}}}:queue"
+    deadline = time.monotonic() + 10
+    while not client.zcard(queue):
+        assert time.monotonic() < deadline, "the waiter did not queue"
+        time.sleep(0.01)
+    os.kill(waiter.process.pid, signal.SIGSTOP)  # a GC pause, a VM migration
+    try:
+        holder.release()  # handed over to the paused waiter: its lease runs out unrenewed
+        time.sleep(1.5)
+        next_holder = Holder(name, "redis", ttl=5)
+    finally:
+        os.kill(waiter.process.pid, signal.SIGCONT)
+    time.sleep(1)  # the waiter wakes to the old hand-over meanwhile
+    assert next_holder.release() is None  # nobody took it from under it
+    event, token = waiter.line()
+    assert event == "acquired"
+    assert int(token) > next_holder.token
