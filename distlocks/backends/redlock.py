@@ -1,4 +1,4 @@
-"""Redlock: one lock over N independent Redis servers (seed 004, antirez's algorithm).
+"""Redlock: one lock over N independent Redis servers (antirez's algorithm, https://redis.io/docs/latest/develop/clients/patterns/distributed-locks/).
 
 Guarantees: a lock is held when the Redis backend's acquire script succeeded
 on a majority of the nodes (``N // 2 + 1``) within the lease, less the time the
@@ -27,8 +27,8 @@ while the majority that answers changes, also when the nodes' counters started
 at different times or one node's runs ahead (a fast clock), as long as the
 nodes keep their counters. Force-release compares the token on each node.
 
-What Redlock does *not* give (Kleppmann, "How to do distributed locking", and
-antirez's reply "Is Redlock safe?"): its safety assumes bounded clock drift and
+What Redlock does *not* give (Martin Kleppmann, "How to do distributed locking",
+2016, and antirez's reply "Is Redlock safe?", http://antirez.com/news/101): its safety assumes bounded clock drift and
 process pauses shorter than the lease; a node that restarts without persistence
 can let a second client in, unless it stays down for a lease. A node restarted
 without its counter gives tokens from its own clock in microseconds, which need
