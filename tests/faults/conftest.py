@@ -3,6 +3,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
+import threading
 
 import pytest
 
@@ -50,3 +52,65 @@ def frozen(server):
         yield
     finally:
         os.kill(server.process.pid, signal.SIGCONT)
+
+
+class FreezableProxy:
+    """A TCP proxy to a server on loopback ``port``.
+
+    ``frozen()`` passes nothing on, like a hung server; ``stalled()`` black-holes
+    only the connections open now (a NAT or firewall that dropped their state)
+    while new ones flow.
+    """
+
+    def __init__(self, port):
+        self.target = port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.flowing = threading.Event()
+        self.flowing.set()
+        self.sockets = [self.listener]
+        self.stuck = set()  # sockets whose bytes go nowhere
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.target))
+            self.sockets += [client, server]
+            for source, sink in ((client, server), (server, client)):
+                threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
+
+    def _pipe(self, source, sink):
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                self.flowing.wait()
+                if source not in self.stuck:
+                    sink.sendall(data)
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_WR)
+
+    @contextlib.contextmanager
+    def frozen(self, most=10):
+        """Pass nothing on while the block runs (for at most ``most`` seconds)."""
+        self.flowing.clear()
+        thaw = threading.Timer(most, self.flowing.set)
+        thaw.start()
+        try:
+            yield
+        finally:
+            thaw.cancel()
+            self.flowing.set()
+
+    def stall(self):
+        """From now on, drop whatever the connections open now carry, both ways, for good."""
+        self.stuck.update(self.sockets[1:])
+
+    def close(self):
+        self.flowing.set()
+        for sock in self.sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the pipe threads; close() alone would not
+            sock.close()

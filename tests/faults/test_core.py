@@ -16,7 +16,7 @@ from distlocks.inspection import force_release
 from distlocks.owner import acting_as, task_owner
 from distlocks.signals import lock_acquired, lock_lost
 from tests.conftest import ALIASES, DB, LEASE_ALIASES, REDIS_PORT, Holder
-from tests.faults.conftest import frozen
+from tests.faults.conftest import FreezableProxy, frozen
 
 pytestmark = DB
 
@@ -267,3 +267,32 @@ def test_a_kept_lease_is_not_resumed_once_its_owner_took_the_lock_anew(alias, na
     done.set()
     thread.join(30)
     assert errors == []
+
+
+def test_renewals_go_on_on_new_connections_when_a_renewal_is_stuck_on_a_black_holed_one(name, own_redis, settings):
+    server = own_redis(REDIS_PORT + 32, SOCKET_CONNECT_TIMEOUT=1)  # no SOCKET_TIMEOUT: a stuck read never ends
+    proxy = FreezableProxy(server.port)
+    own = {**settings.CACHES["own"], "LOCATION": f"redis://127.0.0.1:{proxy.port}/0"}
+    settings.CACHES = {**settings.CACHES, "own": own}
+    lost = []
+
+    def on_lost(sender, name, **kwargs):
+        lost.append(name)
+
+    lock_lost.connect(on_lost)
+    try:
+        first = Holder(f"{name}-first", "own", ttl=0.9)
+        until(lambda: any(t.name == "distlocks-renew-own" for t in threading.enumerate()))
+        proxy.stall()  # the connections open now (the holder's, the renewer's) go nowhere, for good
+        until(lambda: lost == [f"{name}-first"], seconds=5)
+        # Another thread, another connection, which flows: its lock must be
+        # renewed, though the alias's renewer is stuck for good.
+        second = Holder(name, "own", ttl=0.9)
+        time.sleep(3)  # more than three leases
+        assert lost == [f"{name}-first"]
+        assert not free_elsewhere(name, "own")
+        assert second.release() is None
+    finally:
+        lock_lost.disconnect(on_lost)
+        proxy.close()  # ends the stuck reads
+    assert isinstance(first.release(), distlocks.LockError)

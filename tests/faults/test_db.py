@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-import socket
 import threading
 import time
 from datetime import UTC, datetime, timedelta
@@ -20,6 +19,7 @@ from distlocks.backends.db import close_connections
 from distlocks.handler import locks
 from distlocks.owner import current_owner
 from tests.conftest import DB, DB_ALIASES, Holder
+from tests.faults.conftest import FreezableProxy
 from tests.test_lock import in_thread
 
 pytestmark = DB
@@ -234,57 +234,6 @@ def test_acquire_and_extend_end_within_timeout_when_lock_table_is_locked(alias, 
         held.release()
         assert other.acquire(wait=0)
         other.release()
-
-
-class FreezableProxy:
-    """A TCP proxy to a database server; frozen, it takes bytes and passes nothing on, like a hung server."""
-
-    def __init__(self, port):
-        self.target = port
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.flowing = threading.Event()
-        self.flowing.set()
-        self.sockets = [self.listener]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self):
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            server = socket.create_connection(("127.0.0.1", self.target))
-            self.sockets += [client, server]
-            for source, sink in ((client, server), (server, client)):
-                threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
-
-    def _pipe(self, source, sink):
-        with contextlib.suppress(OSError):
-            while data := source.recv(65536):
-                self.flowing.wait()
-                sink.sendall(data)
-        with contextlib.suppress(OSError):
-            sink.shutdown(socket.SHUT_WR)
-
-    @contextlib.contextmanager
-    def frozen(self, most=10):
-        """Pass nothing on while the block runs (for at most ``most`` seconds)."""
-        self.flowing.clear()
-        thaw = threading.Timer(most, self.flowing.set)
-        thaw.start()
-        try:
-            yield
-        finally:
-            thaw.cancel()
-            self.flowing.set()
-
-    def close(self):
-        self.flowing.set()
-        for sock in self.sockets:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)  # wakes the pipe threads; close() alone would not
-            sock.close()
 
 
 @contextlib.contextmanager
