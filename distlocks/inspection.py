@@ -43,4 +43,5 @@ def force_release(alias: str, key: str, token: int | None = None) -> bool:
     With ``token``, only that acquisition of it: the server compares and frees
     in one step, so a lock that changed hands since it was shown stays held.
     """
-    return locks[alias].force_release(key, token)
+    backend = locks[alias]
+    return backend.force_release(key) if token is None else backend.force_release(key, token)

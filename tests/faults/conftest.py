@@ -8,21 +8,24 @@ import threading
 
 import pytest
 
+import distlocks
 from tests.servers import RedisServer, answers
 
 
 @pytest.fixture
 def own_redis(settings):
-    """Return ``start(port, **options)``: a Redis of the test's own as lock alias "own".
+    """Return ``start(port, *server_args, **cache_options)``: a Redis of the test's own as lock alias "own".
 
-    ``options`` are the django-redis cache's OPTIONS. The server may be frozen
+    ``cache_options`` are the django-redis cache's OPTIONS (default: connect
+    and socket timeouts of 1 and 2 s). The server may be frozen
     (``frozen(server)``), restarted or killed without disturbing other tests.
     """
     servers = []
 
-    def start(port, **options):
+    def start(port, *server_args, **cache_options):
         assert not answers(port), f"port {port} is taken"
-        servers.append(RedisServer(port).start())
+        servers.append(RedisServer(port, *server_args).start())
+        options = cache_options or {"SOCKET_CONNECT_TIMEOUT": 1, "SOCKET_TIMEOUT": 2}
         settings.CACHES = {
             **settings.CACHES,
             "own": {
@@ -114,3 +117,19 @@ class FreezableProxy:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)  # wakes the pipe threads; close() alone would not
             sock.close()
+
+
+def free_elsewhere(name, alias, **lock_options):
+    """Whether another thread (another owner) takes the lock at once; it gives it back."""
+    result = []
+
+    def take():
+        lk = distlocks.lock(name, using=alias, **lock_options)
+        result.append(lk.acquire(wait=0))
+        if result[0]:
+            lk.release()
+
+    thread = threading.Thread(target=take)
+    thread.start()
+    thread.join(30)
+    return result[0]

@@ -16,25 +16,9 @@ from distlocks.inspection import force_release
 from distlocks.owner import acting_as, task_owner
 from distlocks.signals import lock_acquired, lock_lost
 from tests.conftest import ALIASES, DB, LEASE_ALIASES, REDIS_PORT, Holder
-from tests.faults.conftest import FreezableProxy, frozen
+from tests.faults.conftest import FreezableProxy, free_elsewhere, frozen
 
 pytestmark = DB
-
-
-def free_elsewhere(name, alias):
-    """Whether another thread (another owner) takes the lock at once; it gives it back."""
-    result = []
-
-    def take():
-        lk = distlocks.lock(name, using=alias)
-        result.append(lk.acquire(wait=0))
-        if result[0]:
-            lk.release()
-
-    thread = threading.Thread(target=take)
-    thread.start()
-    thread.join(30)
-    return result[0]
 
 
 def until(condition, seconds=10.0):

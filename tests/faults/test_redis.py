@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from io import StringIO
 
@@ -16,36 +15,13 @@ import distlocks
 from distlocks.checks import check_distlocks
 from distlocks.handler import locks
 from tests.conftest import DB, Holder
-from tests.servers import REDIS_PORT, RedisServer, answers
+from tests.faults.conftest import free_elsewhere
+from tests.servers import REDIS_PORT
 
 pytestmark = DB
 
 REDIS = "distlocks.backends.redis.RedisBackend"
 PASSWORD = "hunter2-s3cret"
-
-
-@pytest.fixture
-def own_redis(settings):
-    """Return ``start(port, *options)``: a Redis server of the test's own as lock alias "own"."""
-    servers = []
-
-    def start(port, *options):
-        assert not answers(port), f"port {port} is taken"
-        servers.append(RedisServer(port, *options).start())
-        settings.CACHES = {
-            **settings.CACHES,
-            "own": {
-                "BACKEND": "django_redis.cache.RedisCache",
-                "LOCATION": f"redis://127.0.0.1:{port}/0",
-                "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 1, "SOCKET_TIMEOUT": 2},
-            },
-        }
-        settings.DISTLOCKS = {**settings.DISTLOCKS, "own": {"BACKEND": REDIS, "OPTIONS": {"CACHE": "own"}}}
-        return servers[-1]
-
-    yield start
-    for server in servers:
-        server.stop()
 
 
 def take(name, alias="own"):
@@ -159,7 +135,7 @@ def test_every_name_is_a_lock_of_its_own_in_one_cluster_slot(own_redis):
     try:
         client, backend = get_redis_connection("own"), locks["own"]
         for lk in held:
-            assert not _other_thread_acquires(lk.name)  # each is taken
+            assert not free_elsewhere(lk.name, "own")  # each is taken
             lock_hash, fence, queue = backend._keys(lk.key)
             assert client.exists(lock_hash, fence) == 2
             assert key_slot(lock_hash.encode()) == key_slot(fence.encode()) == key_slot(queue.encode())
@@ -169,23 +145,7 @@ def test_every_name_is_a_lock_of_its_own_in_one_cluster_slot(own_redis):
         for lk in held:
             lk.release()
     for name in names:
-        assert _other_thread_acquires(name)
-
-
-def _other_thread_acquires(name):
-    """Whether another thread gets ``name`` at once (it gives it back)."""
-    result = []
-
-    def attempt():
-        lk = distlocks.lock(name, using="own")
-        result.append(lk.acquire(wait=0))
-        if result[0]:
-            lk.release()
-
-    thread = threading.Thread(target=attempt)
-    thread.start()
-    thread.join(10)
-    return result[0]
+        assert free_elsewhere(name, "own")
 
 
 def test_force_release_with_a_stale_token_leaves_the_next_holder_alone(name):

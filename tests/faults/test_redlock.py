@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 
 import pytest
@@ -15,6 +14,7 @@ from distlocks.backends.redlock import NODE_DEADLINE_SHARE
 from distlocks.handler import locks
 from distlocks.owner import current_owner
 from tests.conftest import DB, Holder
+from tests.faults.conftest import free_elsewhere
 from tests.servers import RedisServer, answers
 
 pytestmark = DB
@@ -84,21 +84,6 @@ def nodes(settings, request):
 LONG_SOCKET_TIMEOUT = pytest.mark.parametrize("nodes", [10], indirect=True, ids=["socket_timeout=10"])
 
 
-def other_thread_acquires(name, **kwargs):
-    result = []
-
-    def attempt():
-        lk = distlocks.lock(name, using="rl", **kwargs)
-        result.append(lk.acquire(wait=0))
-        if result[0]:
-            lk.release()
-
-    thread = threading.Thread(target=attempt)
-    thread.start()
-    thread.join(30)
-    return result[0]
-
-
 def answer_errors(nodes, oom=(), readonly=()):
     for index in oom:  # every write refused: OOM command not allowed when used memory > 'maxmemory'
         nodes.client(index).config_set("maxmemory-policy", "noeviction")
@@ -112,13 +97,13 @@ def test_a_majority_locks_when_two_nodes_answer_errors(nodes, name):
     lk = distlocks.lock(name, using="rl", ttl=5)
     assert lk.acquire(wait=0)
     assert nodes.holding(lk.key) == {2, 3, 4}
-    assert other_thread_acquires(name) is False
+    assert free_elsewhere(name, "rl") is False
     assert lk.acquire(wait=0)  # re-entered
     assert locks["rl"].extend(lk.key, current_owner(), 5)  # renewed
     lk.release()
     lk.release()
     assert nodes.holding(lk.key) == set()
-    assert other_thread_acquires(name) is True
+    assert free_elsewhere(name, "rl") is True
 
 
 def test_a_failed_attempt_leaves_nothing_when_a_majority_answers_errors(nodes, name):
@@ -143,10 +128,10 @@ def test_two_black_holed_nodes_cost_at_most_a_deadline_not_a_socket_timeout(node
         return result
 
     assert timed(lambda: lk.acquire(wait=0))
-    assert timed(lambda: other_thread_acquires(name)) is False  # mutual exclusion holds
+    assert timed(lambda: free_elsewhere(name, "rl")) is False  # mutual exclusion holds
     assert timed(lambda: locks["rl"].extend(lk.key, current_owner(), ttl))
     timed(lk.release)
-    assert timed(lambda: other_thread_acquires(name)) is True
+    assert timed(lambda: free_elsewhere(name, "rl")) is True
 
 
 @LONG_SOCKET_TIMEOUT
@@ -160,7 +145,7 @@ def test_takes_that_answer_after_the_deadline_of_a_failed_attempt_are_undone(nod
     assert nodes.holding(lk.key) == set()
     nodes.thaw(0, 1, 2)  # the takes they buffered run now, late: each is undone when it answers
     _until(lambda: nodes.holding(lk.key) == set(), f"left behind on {nodes.holding(lk.key)}")
-    assert other_thread_acquires(name) is True
+    assert free_elsewhere(name, "rl") is True
 
 
 def _until(condition, message="timed out", seconds=10.0):
