@@ -40,7 +40,7 @@ def own_redis(settings):
                 "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 1, "SOCKET_TIMEOUT": 2},
             },
         }
-        settings.DISTLOCKS = {**settings.DISTLOCKS, "own": {"BACKEND": REDIS, "OPTIONS": {"CACHE": "own"}}}
+        settings.DISTLOCKS = {"own": {"BACKEND": REDIS, "OPTIONS": {"CACHE": "own"}}}
         return servers[-1]
 
     yield start
