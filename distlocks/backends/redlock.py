@@ -97,13 +97,17 @@ class _Round:
             if self.closed:
                 return False
             self.answers[index] = answer
-            self.changed.notify()
+            if self._over():  # wake the asker only when it can go on: each wake-up costs a thread switch
+                self.changed.notify()
             return True
+
+    def _over(self) -> bool:
+        return _PENDING not in self.answers or (self.settled is not None and self.settled(self.answers))
 
     def wait(self) -> list[Any]:
         """Wait until every node answered, the answers settle the question, or the deadline; close the round."""
         with self.changed:
-            while _PENDING in self.answers and not (self.settled and self.settled(self.answers)):
+            while not self._over():
                 left = self.deadline - time.monotonic()
                 if left <= 0:
                     break
