@@ -83,9 +83,10 @@ WAITED_LATELY = 1.0
 # larger as long as the server's clock does not go back; when it does (or two
 # takes fall in one microsecond), the counter counts on from the last token.
 TAKE = """
-local function take(secret, lease, info)
+local function take(secret, lease, info, least)
   local clock = redis.call('TIME')
   local token = clock[1] .. string.format('%06d', clock[2])
+  if least and tonumber(least) > tonumber(token) then token = least end
   local last = redis.call('GETSET', KEYS[2], token)  -- SET ... GET needs Redis 6.2
   if last and tonumber(last) >= tonumber(token) then
     redis.call('SET', KEYS[2], last)
@@ -212,6 +213,18 @@ return 1
 """
 )
 
+# Redlock's acquire on one node: ARGV[1] the owner's secret, ARGV[2] the lease in ms, ARGV[3] the
+# info, ARGV[4] the least token to give (the client's proposal, so that the nodes of a majority
+# agree on one token and need no second round to raise the others)
+# return the token when acquired, 0 if the lock is held
+ACQUIRE_AT_LEAST = (
+    TAKE
+    + """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+return take(ARGV[1], ARGV[2], ARGV[3], ARGV[4])
+"""
+)
+
 # KEYS[1] the lock hash, KEYS[2] its fencing counter / ARGV[1] the owner's secret, ARGV[2] a token
 # Redlock gave out: the hash shows it and the counter will give a larger one next.
 # return 1 if the owner holds the lock here, 0 if not
@@ -231,6 +244,7 @@ SCRIPTS = {
     "extend": EXTEND,
     "force_release": FORCE_RELEASE,
     "raise_token": RAISE_TOKEN,
+    "acquire_at_least": ACQUIRE_AT_LEAST,
 }
 
 
@@ -674,6 +688,13 @@ class RedisBackend(BaseLockBackend):
 
     def force_release(self, key: str, token: int | None = None) -> bool:
         return bool(self._call("force_release", self._keys(key), ["" if token is None else token]))
+
+    def take_at_least(self, key: str, owner: Owner, ttl: float, least: int) -> int | None:
+        """Take a free lock once, with a token of at least ``least``; its token, or None (Redlock's nodes)."""
+        token = int(
+            self._call("acquire_at_least", self._keys(key)[:2], [owner.secret, self._ms(ttl), _info(owner), least])
+        )
+        return token or None
 
     def raise_token(self, key: str, owner: Owner, token: int) -> bool:
         """Make the hash show ``token`` and the counter give a larger one next; False if ``owner`` does not hold it.
