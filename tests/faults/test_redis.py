@@ -37,7 +37,7 @@ def take(name, alias="own"):
 
 
 def test_tokens_keep_increasing_when_redis_restarts_from_a_stale_snapshot(own_redis, tmp_path, name):
-    server = own_redis(16450, "--dir", str(tmp_path))
+    server = own_redis(REDIS_PORT + 80, "--dir", str(tmp_path))
     client = get_redis_connection("own")
     tokens = [take(name) for _ in range(3)]
     client.save()  # the snapshot: the fencing counter as it is now
@@ -52,7 +52,7 @@ def test_tokens_keep_increasing_when_redis_restarts_from_a_stale_snapshot(own_re
     assert take(name) > max(tokens)
 
 
-@pytest.mark.parametrize(("port", "policy"), [(16451, "allkeys-lru"), (16452, "volatile-ttl")])
+@pytest.mark.parametrize(("port", "policy"), [(REDIS_PORT + 81, "allkeys-lru"), (REDIS_PORT + 82, "volatile-ttl")])
 def test_an_evicting_redis_is_reported_by_check_and_at_first_use(own_redis, settings, caplog, name, port, policy):
     own_redis(port)
     settings.DISTLOCKS = {"own": settings.DISTLOCKS["own"]}  # the checks ping this alias only
@@ -68,7 +68,7 @@ def test_an_evicting_redis_is_reported_by_check_and_at_first_use(own_redis, sett
 
 
 def test_a_redis_that_refuses_config_still_locks_and_checks_clean(own_redis, settings, caplog, name):
-    own_redis(16453)
+    own_redis(REDIS_PORT + 83)
     settings.DISTLOCKS = {"own": settings.DISTLOCKS["own"]}  # the checks ping this alias only
     client = get_redis_connection("own")
     client.config_set("maxmemory-policy", "allkeys-lru")
@@ -129,7 +129,7 @@ def test_no_password_is_printed_by_check_or_in_errors(settings):
 
 
 def test_every_name_is_a_lock_of_its_own_in_one_cluster_slot(own_redis):
-    own_redis(16454)
+    own_redis(REDIS_PORT + 84)
     names = ["}", "}x", "{a}", "a}b{", "a", "\\(a\\)", "{}"]
     held = [distlocks.lock(name, using="own") for name in names]
     for lk in held:

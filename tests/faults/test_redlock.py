@@ -15,11 +15,11 @@ from distlocks.handler import locks
 from distlocks.owner import current_owner
 from tests.conftest import DB, Holder
 from tests.faults.conftest import free_elsewhere
-from tests.servers import RedisServer, answers
+from tests.servers import REDIS_PORT, RedisServer, answers
 
 pytestmark = DB
 
-PORTS = [16470 + i for i in range(5)]
+PORTS = [REDIS_PORT + 100 + i for i in range(5)]  # the test's own nodes
 
 
 class Nodes:

@@ -27,10 +27,10 @@ from distlocks.backends.zookeeper import _sessions
 from distlocks.handler import locks
 from distlocks.owner import current_owner
 from distlocks.signals import lock_lost
-from tests.servers import ZooKeeperServer
+from tests.servers import ZK_PORT, ZooKeeperServer
 
 # Ports for servers of these tests' own.
-OWN_PORTS = range(12350, 12400)
+OWN_PORTS = range(ZK_PORT + 300, ZK_PORT + 350)
 
 
 def _free_port():
@@ -41,7 +41,7 @@ def _free_port():
             except OSError:
                 continue
             return port
-    raise RuntimeError("no free port in 12350-12399")
+    raise RuntimeError(f"no free port in {OWN_PORTS}")
 
 
 class OwnServer(ZooKeeperServer):
