@@ -10,7 +10,7 @@ from django.core.exceptions import ImproperlyConfigured
 from kazoo.client import KazooClient
 
 import distlocks
-from distlocks.backends.zookeeper import _sessions
+from distlocks.backends.zookeeper.session import _sessions
 from distlocks.handler import locks
 from distlocks.signals import lock_lost
 

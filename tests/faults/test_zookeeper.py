@@ -23,7 +23,7 @@ from kazoo.exceptions import NoAuthError
 from kazoo.security import make_digest_acl
 
 import distlocks
-from distlocks.backends.zookeeper import _sessions
+from distlocks.backends.zookeeper.session import _sessions
 from distlocks.handler import locks
 from distlocks.owner import current_owner
 from distlocks.signals import lock_lost

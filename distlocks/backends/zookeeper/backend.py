@@ -1,0 +1,363 @@
+"""ZooKeeper lock backend on kazoo: ephemeral sequential nodes (see the package docstring)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+from django.core import checks
+from django.core.exceptions import ImproperlyConfigured
+
+from distlocks.backends.base import BaseLockBackend, LockInfo, check_positive_number
+from distlocks.backends.zookeeper.nodes import escape, new_mark, queue, sequence, unescape
+from distlocks.backends.zookeeper.session import Session, shared_session
+from distlocks.exceptions import BackendUnavailable
+from distlocks.owner import Owner
+
+
+class ZooKeeperBackend(BaseLockBackend):
+    """Locks as ephemeral sequential nodes under ``OPTIONS['ROOT']`` of a ZooKeeper ensemble."""
+
+    max_key_length = 1024
+    cleanup_noun = "empty lock nodes"
+    session_bound = True
+
+    def __init__(self, alias: str, params: dict[str, Any]) -> None:
+        super().__init__(alias, params)
+        if not self.location or not isinstance(self.location, str):
+            raise ImproperlyConfigured(
+                f"DISTLOCKS[{alias!r}] needs LOCATION, the ensemble's connect string ('host:port,host:port')"
+            )
+        self.root = str(self.options.get("ROOT", "/distlocks")).rstrip("/")
+        if not self.root.startswith("/"):
+            raise ImproperlyConfigured(f"DISTLOCKS[{alias!r}]['OPTIONS']['ROOT'] must start with '/'")
+        try:
+            self.session_timeout = check_positive_number(self.options.get("SESSION_TIMEOUT", 10.0), "SESSION_TIMEOUT")
+            self.connect_timeout = check_positive_number(self.options.get("CONNECT_TIMEOUT", 5.0), "CONNECT_TIMEOUT")
+        except ValueError as exc:
+            raise ImproperlyConfigured(f"DISTLOCKS[{alias!r}]['OPTIONS']: {exc}") from exc
+        self.auth: list[tuple[str, str]] = [(scheme, credential) for scheme, credential in self.options.get("AUTH", [])]
+        acl = self.options.get("ACL")
+        if acl is not None and (
+            not isinstance(acl, list | tuple)
+            or not acl
+            or not all(hasattr(entry, "perms") and hasattr(entry, "id") for entry in acl)
+        ):
+            raise ImproperlyConfigured(
+                f"DISTLOCKS[{alias!r}]['OPTIONS']['ACL'] must be a non-empty list of kazoo.security.ACL "
+                "(for example [make_digest_acl('user', 'password', all=True)])"
+            )
+        self.acl: list[Any] | None = None if acl is None else list(acl)
+        # This thread's pending waits: key -> our node path while we queue.
+        self._queued: dict[str, tuple[str, int]] = {}  # key -> (our node, its czxid)
+
+    # -- the shared session ------------------------------------------------------
+
+    def _session(self) -> Session:
+        return shared_session(
+            self.alias,
+            self.location,
+            session_timeout=self.session_timeout,
+            connect_timeout=self.connect_timeout,
+            auth=self.auth,
+            acl=self.acl,
+        )
+
+    def _request(self, operation: str, *args: Any, limit: float | None = None, **kwargs: Any) -> Any:
+        """Run ``client.<operation>`` for at most ``limit`` seconds (default ``CONNECT_TIMEOUT``)."""
+        return self._session().request(
+            operation, *args, limit=self.connect_timeout if limit is None else limit, **kwargs
+        )
+
+    def _parent(self, key: str) -> str:
+        return f"{self.root}/{escape(key)}"
+
+    # -- the lock primitives -----------------------------------------------------
+
+    def try_acquire(self, key: str, owner: Owner, ttl: float) -> int | None:
+        session = self._session()
+        if key not in self._queued:
+            self._queued[key] = self._create(key, owner)
+        node, token = self._queued[key]
+        children = queue(self._request("get_children", self._parent(key)))
+        if node.rsplit("/", 1)[1] not in children:
+            # Gone with a lost session: queue again, at the back.
+            node, token = self._queued[key] = self._create(key, owner)
+            children = queue(self._request("get_children", self._parent(key)))
+        if not children or f"{self._parent(key)}/{children[0]}" != node:
+            return None  # queued: wait() watches the node just below ours
+        del self._queued[key]
+        with session.lock:
+            session.held[key, owner.secret] = [node, 1]
+        return token
+
+    def _create(self, key: str, owner: Owner) -> tuple[str, int]:
+        """Create our node; if we cannot tell whether it was created, have it deleted.
+
+        The node's name carries a random id (as kazoo's recipe does), so that a
+        create whose answer was lost is neither doubled nor left behind.
+        """
+        mark = new_mark()
+        try:
+            # The create's own answer carries the node's zxid: no extra request for the token.
+            path, stat = self._request(
+                "create",
+                f"{self._parent(key)}/{mark}",
+                f"{owner}|1".encode(),
+                acl=self._session().acl,
+                ephemeral=True,
+                sequence=True,
+                makepath=True,
+                include_data=True,
+            )
+            return str(path), int(stat.czxid)
+        except BackendUnavailable:
+            self._session().orphan(f"{self._parent(key)}/{mark}")
+            raise
+
+    def wait(self, key: str, attempt: int, remaining: float | None) -> None:
+        """Wait for the deletion of the node just below ours (at most ``remaining`` seconds)."""
+        queued = self._queued.get(key)
+        if queued is None:
+            return
+        node = queued[0]
+        children = queue(self._request("get_children", self._parent(key)))
+        mine = node.rsplit("/", 1)[1]
+        if mine not in children:
+            return  # gone with a lost session: the next attempt queues again
+        below = [child for child in children if sequence(child) < sequence(mine)]
+        if not below:
+            return
+        gone = threading.Event()
+        if self._request("exists", f"{self._parent(key)}/{below[-1]}", watch=lambda event: gone.set()) is None:
+            return
+        # Look again now and then: a lost session must not leave us waiting forever.
+        gone.wait(1.0 if remaining is None else min(remaining, 1.0))
+
+    def end_wait(self, key: str, acquired: bool) -> None:
+        queued = self._queued.pop(key, None)
+        if queued is not None and not acquired:
+            from kazoo.exceptions import NoNodeError
+
+            try:
+                self._request("delete", queued[0])
+            except NoNodeError:
+                pass  # gone with its session
+            except BackendUnavailable:
+                self._session().orphan(queued[0])
+
+    def _forget(self, key: str, owner: Owner) -> list[Any] | None:
+        """Stop counting ``owner``'s hold of ``key`` (the core marks it lost); return its entry."""
+        session = self._session()
+        with session.lock:
+            return session.held.pop((key, owner.secret), None)
+
+    def reenter(self, key: str, owner: Owner, ttl: float) -> bool:
+        session = self._session()
+        with session.lock:
+            entry = session.held.get((key, owner.secret))
+            if entry is None:
+                return False
+            entry[1] += 1
+            count = entry[1]
+        try:
+            # Writing the count also proves the node is still there (not force-released).
+            present = self._show_count(entry[0], owner, count)
+        except BaseException:
+            with session.lock:
+                entry[1] -= 1  # the core does not count a re-entry that raised
+            raise
+        if not present:
+            self._forget(key, owner)
+        return present
+
+    def _show_count(self, node: str, owner: Owner, count: int) -> bool:
+        """Write the hold count into the node, for the admin; False if the node is gone."""
+        from kazoo.exceptions import NoNodeError
+
+        try:
+            self._request("set", node, f"{owner}|{count}".encode())
+        except NoNodeError:
+            return False
+        return True
+
+    def release(self, key: str, owner: Owner) -> bool:
+        """Drop one hold; delete the node at the last.
+
+        An inner release only updates the count shown to operators: if the
+        server cannot be reached for that, the count in this process (the one
+        that decides) is still right, so it does not fail. The last release's
+        node is deleted as soon as the connection allows if the server cannot be
+        reached (BackendUnavailable is raised all the same).
+        """
+        from kazoo.exceptions import NoNodeError
+
+        session = self._session()
+        with session.lock:
+            entry = session.held.get((key, owner.secret))
+            if entry is None:
+                return False
+            entry[1] -= 1
+            left = entry[1]
+            if left == 0:
+                del session.held[key, owner.secret]
+        if left > 0:
+            try:
+                present = self._show_count(entry[0], owner, left)
+            except BackendUnavailable:
+                return True
+            if not present:
+                self._forget(key, owner)
+            return present
+        try:
+            self._request("delete", entry[0])
+        except NoNodeError:
+            return False  # its session expired, or it was force-released
+        except BackendUnavailable:
+            session.orphan(entry[0])  # else it holds the lock for as long as the session lives
+            raise
+        return True
+
+    def drop(self, key: str, owner: Owner) -> bool:
+        """Free ``owner``'s hold of ``key`` whatever its count (its thread ended holding it); False if none.
+
+        Nothing else would ever free it: the session outlives the thread. The
+        node is deleted in the background, at once or as soon as the connection
+        allows: this never blocks nor raises BackendUnavailable.
+        """
+        entry = self._forget(key, owner)
+        if entry is None:
+            return False
+        self._session().orphan(entry[0])
+        return True
+
+    def extend(self, key: str, owner: Owner, ttl: float) -> bool:
+        """Check that the node is still there; False once the session may have expired.
+
+        While the server cannot be reached this raises BackendUnavailable (the
+        watchdog retries) until the session timeout has passed since the server
+        last heard from us: the server may then have deleted the node and given
+        the lock to the next waiter, so the hold is given up (and its node
+        deleted if the session comes back after all).
+        """
+        session = self._session()
+        with session.lock:
+            entry = session.held.get((key, owner.secret))
+        if entry is None:
+            return False
+        try:
+            if not session.client.connected:
+                raise session.unavailable(ConnectionError("the connection is suspended"))
+            left = session.contact + session.timeout - time.monotonic()
+            # Not past the moment the session may expire (kazoo may not have noticed a silent server yet).
+            limit = min(self.connect_timeout, max(left, 0.5))
+            if self._request("exists", entry[0], limit=limit) is not None:
+                return True
+            self._forget(key, owner)
+            return False
+        except BackendUnavailable:
+            if not session.may_have_expired():
+                raise
+        self.drop(key, owner)
+        return False
+
+    # -- inspection and maintenance ----------------------------------------------
+
+    def _locks(self) -> list[str]:
+        from kazoo.exceptions import NoNodeError
+
+        try:
+            return list(self._request("get_children", self.root))
+        except NoNodeError:
+            return []
+
+    def held(self) -> Iterator[LockInfo]:
+        from kazoo.exceptions import NoNodeError
+
+        for escaped in self._locks():
+            parent = f"{self.root}/{escaped}"
+            try:
+                children = queue(self._request("get_children", parent))
+                if not children:
+                    continue
+                data, stat = self._request("get", f"{parent}/{children[0]}")
+            except NoNodeError:
+                continue
+            holder, _, count = data.decode(errors="replace").rpartition("|")
+            yield LockInfo(
+                alias=self.alias,
+                name=unescape(escaped),
+                owner=holder,
+                hold_count=int(count) if count.isdigit() else 1,
+                token=int(stat.czxid),
+                acquired_at=datetime.fromtimestamp(stat.ctime / 1000, UTC),
+                waiters=len(children) - 1,
+            )
+
+    def force_release(self, key: str, token: int | None = None) -> bool:
+        """Delete the holder's node; with ``token``, only if that node's czxid is ``token``.
+
+        A node's path names one acquisition (its sequence number is never
+        reused), so checking its czxid and then deleting exactly that path
+        never frees a later holder's lock.
+        """
+        from kazoo.exceptions import NoNodeError
+
+        parent = self._parent(key)
+        try:
+            children = queue(self._request("get_children", parent))
+            if not children:
+                return False
+            head = f"{parent}/{children[0]}"
+            if token is not None:
+                stat = self._request("exists", head)
+                if stat is None or int(stat.czxid) != token:
+                    return False
+            self._request("delete", head)
+        except NoNodeError:
+            return False
+        return True
+
+    def clear_expired(self, dry_run: bool = False) -> int:
+        """Delete empty lock nodes (Curator's reaper); a new acquirer recreates its own.
+
+        Deleting a node that has children fails, so a lock taken meanwhile is
+        never touched; tokens are zxids, which keep growing either way.
+        """
+        from kazoo.exceptions import NoNodeError, NotEmptyError
+
+        reaped = 0
+        for escaped in self._locks():
+            parent = f"{self.root}/{escaped}"
+            try:
+                stat = self._request("exists", parent)
+                if stat is None or stat.numChildren:
+                    continue
+                if not dry_run:
+                    self._request("delete", parent, version=stat.version)
+                reaped += 1
+            except (NoNodeError, NotEmptyError):
+                continue
+            except Exception as exc:  # BadVersionError: it was used meanwhile
+                if type(exc).__name__ != "BadVersionError":
+                    raise
+        return reaped
+
+    def ping(self) -> None:
+        self._request("exists", self.root)
+
+    def check(self) -> list[checks.CheckMessage]:
+        try:
+            import kazoo  # noqa: F401
+        except ImportError:
+            return [
+                checks.Error(
+                    f"DISTLOCKS[{self.alias!r}] needs kazoo.",
+                    hint="pip install 'distlocks[zookeeper]'",
+                    id="distlocks.E006",
+                )
+            ]
+        return []
