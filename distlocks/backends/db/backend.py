@@ -1,0 +1,312 @@
+"""The database lock backend: a row per held lock in the ``Lock`` table."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from django.core import checks
+from django.core.exceptions import ImproperlyConfigured
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, IntegrityError, OperationalError, connections
+from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.models import QuerySet
+from django.db.models.expressions import RawSQL
+from django.db.utils import InterfaceError
+from django.utils.connection import ConnectionDoesNotExist
+
+from distlocks.backends.base import BaseLockBackend, LockInfo, check_positive_number
+from distlocks.backends.db.connections import close_if_dropped, in_memory, open_like, track
+from distlocks.backends.db.statements import execute, sql_for
+from distlocks.exceptions import BackendUnavailable
+from distlocks.owner import Owner
+
+if TYPE_CHECKING:
+    from distlocks.models import Lock
+
+T = TypeVar("T")
+
+# Errors that mean "someone else was busy with this row": the attempt counts as
+# failed and is retried, never shown to the caller (MySQL deadlock 1213,
+# PostgreSQL deadlock / serialization failure, SQLite's busy database).
+_MYSQL_BUSY = {1213}
+_POSTGRES_BUSY = {"40001", "40P01"}
+_SQLITE_BUSY = ("database is locked", "database table is locked")
+# Errors that mean a statement waited ``TIMEOUT`` seconds for a lock or ran that
+# long (MySQL lock wait timeout 1205, PostgreSQL lock_timeout 55P03 and
+# statement_timeout 57014): not retried, the time is up.
+_MYSQL_TIMED_OUT = {1205}
+_POSTGRES_TIMED_OUT = {"55P03", "57014"}
+# Waiters poll from 1 ms, doubling up to 20 ms between reads.
+_POLL_FIRST = 0.001
+_POLL_MAX = 0.02
+# How often a busy write statement is retried before the attempt counts as failed.
+_BUSY_RETRIES = 5
+# OPTIONS['TIMEOUT'] by default: seconds a lock statement may wait or run.
+DEFAULT_TIMEOUT = 5.0
+
+
+class _Raise:
+    pass
+
+
+RAISE = _Raise()
+
+
+def _is_busy(exc: Exception | None) -> bool:
+    if exc is None:
+        return False
+    if getattr(exc.__cause__, "sqlstate", None) in _POSTGRES_BUSY:
+        return True
+    if exc.args and exc.args[0] in _MYSQL_BUSY:
+        return True
+    return any(text in str(exc) for text in _SQLITE_BUSY)
+
+
+def _timed_out(exc: Exception | None) -> bool:
+    if exc is None:
+        return False
+    if getattr(exc.__cause__, "sqlstate", None) in _POSTGRES_TIMED_OUT:
+        return True
+    return bool(exc.args and exc.args[0] in _MYSQL_TIMED_OUT)
+
+
+class DatabaseBackend(BaseLockBackend):
+    """Locks as rows of ``distlocks.Lock`` in the database named by ``OPTIONS['DATABASE']``."""
+
+    max_key_length = 255
+
+    def __init__(self, alias: str, params: dict[str, Any]) -> None:
+        super().__init__(alias, params)
+        self.database: str = self.options.get("DATABASE", DEFAULT_DB_ALIAS)
+        self.connect_timeout = self.options.get("CONNECT_TIMEOUT", 5)
+        try:
+            self.timeout = check_positive_number(self.options.get("TIMEOUT", DEFAULT_TIMEOUT), "OPTIONS['TIMEOUT']")
+        except ValueError as exc:
+            raise ImproperlyConfigured(f"DISTLOCKS[{alias!r}]: {exc}") from exc
+        self._connection_alias = f"distlocks:{alias}"
+        self._pid = 0
+
+    def make_key(self, name: str) -> str:
+        """Return the key of ``name``; raise ValueError if a database cannot store it.
+
+        PostgreSQL refuses NUL in text and the others would store it; refuse it
+        on every database, so that a name works on all three or on none.
+        """
+        if "\x00" in name:
+            raise ValueError("name must not contain a NUL character ('\\x00'): the database backend cannot store it")
+        return super().make_key(name)
+
+    # -- the connection of our own ---------------------------------------------
+
+    def _using(self) -> str:
+        """Return the alias to run this thread's lock statements on.
+
+        Normally a connection of our own, opened on first use: it copies the
+        database's settings but is not in ``DATABASES``, so Django neither wraps it
+        in ``ATOMIC_REQUESTS`` nor closes it at the end of a request, and the
+        caller's transactions never touch it. SQLite allows one writer at a time,
+        so there a lock taken inside the caller's transaction joins it (a second
+        connection would wait for the caller's own write lock); nobody else can
+        write until it ends, and its rollback drops the lock.
+        """
+        try:
+            base = connections[self.database]
+        except ConnectionDoesNotExist as exc:
+            raise ImproperlyConfigured(
+                f"DISTLOCKS[{self.alias!r}]['OPTIONS']['DATABASE'] names {self.database!r}, which is not in DATABASES"
+            ) from exc
+        if base.vendor == "sqlite" and (base.in_atomic_block or in_memory(base)):
+            return self.database
+        if self._pid != os.getpid():
+            connection = open_like(base, self._connection_alias, self.connect_timeout, self.timeout)
+            track(connection)
+            connections[self._connection_alias] = connection
+            self._pid = os.getpid()
+        return self._connection_alias
+
+    def _run(self, operation: Callable[[BaseDatabaseWrapper], T], *, when_busy: T | _Raise = RAISE) -> T:
+        """Run ``operation(connection)``, mapping driver errors to lock semantics.
+
+        A busy database (deadlock) is retried a few times; then, or when a
+        statement ran out of ``TIMEOUT``, the answer is ``when_busy`` (for an
+        attempt to acquire: not acquired) or BackendUnavailable. Any other error
+        closes our connection (the next call opens a new one) and raises
+        BackendUnavailable.
+        """
+        using = self._using()
+        connection = connections[using]
+        if using == self._connection_alias:
+            close_if_dropped(connection)
+        error: Exception | None = None
+        for _ in range(_BUSY_RETRIES):
+            try:
+                return operation(connection)
+            except (OperationalError, InterfaceError) as exc:
+                error = exc
+                if _is_busy(exc):
+                    continue
+                if "no such table" in str(exc):
+                    raise
+                if using == self._connection_alias and not _timed_out(exc):
+                    with contextlib.suppress(DatabaseError):
+                        connection.close()
+                break
+        if (_is_busy(error) or _timed_out(error)) and not isinstance(when_busy, _Raise):
+            return when_busy
+        raise BackendUnavailable(
+            f"Database {self.database!r} for locks on {self.alias!r} is unavailable: {error}", alias=self.alias
+        ) from error
+
+    # -- the lock primitives ---------------------------------------------------
+
+    def _locks(self, using: str) -> QuerySet[Lock]:
+        from distlocks.models import Lock
+
+        return Lock.objects.using(using)
+
+    def _live(self, connection: BaseDatabaseWrapper, live: bool) -> QuerySet[Lock]:
+        """The rows whose lease has not run out (``live``) or has, by the lock statements' clock."""
+        now = RawSQL(sql_for(connection).now, ())
+        locks = self._locks(connection.alias)
+        return locks.filter(expires_at__gt=now) if live else locks.filter(expires_at__lte=now)
+
+    def try_acquire(self, key: str, owner: Owner, ttl: float) -> int | None:
+        def attempt(connection: BaseDatabaseWrapper) -> int | None:
+            sql = sql_for(connection)
+            params = [key, owner.host[:255], owner.pid, owner.thread_label[:255], owner.secret, sql.lease(ttl)]
+            for _ in range(2):
+                try:
+                    with connection.cursor() as cursor:
+                        cursor.execute(sql.insert, params)
+                        return int(cursor.fetchone()[0] if sql.returning else cursor.lastrowid)
+                except IntegrityError:
+                    pass
+                # Taken. If its lease ran out, delete it (the statement re-checks
+                # the expiry, so a live lock is never deleted) and insert again.
+                if not execute(connection, sql.delete_expired, [key]):
+                    return None
+            return None
+
+        return self._run(attempt, when_busy=None)
+
+    def wait(self, key: str, attempt: int, remaining: float | None) -> None:
+        """Poll with a plain SELECT until the lock looks free, for at most ``remaining`` seconds.
+
+        A read takes no row or gap locks (MVCC on InnoDB and PostgreSQL, WAL
+        readers on SQLite), so waiters never get in the holder's way; only when
+        the lock looks free do they try the INSERT again.
+        """
+        deadline = None if remaining is None else time.monotonic() + remaining
+        delay = _POLL_FIRST
+        while True:
+            pause = delay * random.uniform(0.5, 1.0)
+            if deadline is not None:
+                pause = min(pause, deadline - time.monotonic())
+                if pause <= 0:
+                    return
+            time.sleep(pause)
+
+            def is_live(connection: BaseDatabaseWrapper) -> bool:
+                with connection.cursor() as cursor:
+                    cursor.execute(sql_for(connection).is_live, [key])
+                    return cursor.fetchone() is not None
+
+            if not self._run(is_live):
+                return
+            delay = min(delay * 2, _POLL_MAX)
+
+    def reenter(self, key: str, owner: Owner, ttl: float) -> bool:
+        def attempt(connection: BaseDatabaseWrapper) -> bool:
+            sql = sql_for(connection)
+            return execute(connection, sql.reenter, [sql.lease(ttl), key, owner.secret]) == 1
+
+        return self._run(attempt)
+
+    def release(self, key: str, owner: Owner) -> bool:
+        def attempt(connection: BaseDatabaseWrapper) -> bool:
+            sql = sql_for(connection)
+            if execute(connection, sql.release_last, [key, owner.secret]):
+                return True
+            if execute(connection, sql.release_one, [key, owner.secret]):
+                return True
+            # The lease is gone; drop our expired row, if it is still there.
+            execute(connection, sql.drop_mine, [key, owner.secret])
+            return False
+
+        return self._run(attempt)
+
+    def extend(self, key: str, owner: Owner, ttl: float) -> bool:
+        def attempt(connection: BaseDatabaseWrapper) -> bool:
+            sql = sql_for(connection)
+            return execute(connection, sql.extend, [sql.lease(ttl), key, owner.secret]) == 1
+
+        return self._run(attempt)
+
+    # -- inspection and maintenance --------------------------------------------
+
+    def held(self) -> Iterator[LockInfo]:
+        rows: list[Lock] = self._run(lambda connection: list(self._live(connection, True)))
+        for row in rows:
+            yield LockInfo(
+                alias=self.alias,
+                name=row.lock_name,
+                owner=row.owner,
+                hold_count=row.hold_count,
+                token=row.pk,
+                acquired_at=row.acquired_at,
+                expires_at=row.expires_at,
+            )
+
+    def force_release(self, key: str, token: int | None = None) -> bool:
+        def attempt(connection: BaseDatabaseWrapper) -> bool:
+            sql = sql_for(connection)
+            if token is None:
+                return execute(connection, sql.force_release, [key]) > 0
+            return execute(connection, sql.force_release_token, [key, token]) > 0
+
+        return self._run(attempt)
+
+    def clear_expired(self, dry_run: bool = False) -> int:
+        def attempt(connection: BaseDatabaseWrapper) -> int:
+            expired = self._live(connection, False)
+            return expired.count() if dry_run else expired.delete()[0]
+
+        return self._run(attempt)
+
+    @property
+    def address(self) -> str:
+        database = connections.settings[self.database] if self.database in connections else {}
+        where = ":".join(str(part) for part in (database.get("HOST"), database.get("PORT")) if part)
+        return f"database {self.database!r} ({where + ' ' if where else ''}{database.get('NAME', '')})"
+
+    def ping(self) -> None:
+        def select_one(connection: BaseDatabaseWrapper) -> None:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT 1")
+
+        self._run(select_one)
+
+    def check(self) -> list[checks.CheckMessage]:
+        if self.database not in connections:
+            return [
+                checks.Error(
+                    f"DISTLOCKS[{self.alias!r}] uses database {self.database!r}, which is not in DATABASES.",
+                    hint=f"Set OPTIONS['DATABASE'] to one of: {', '.join(connections)}.",
+                    id="distlocks.E003",
+                )
+            ]
+        base = connections[self.database]
+        if in_memory(base):
+            return [
+                checks.Warning(
+                    f"DISTLOCKS[{self.alias!r}] keeps locks in an in-memory SQLite database: "
+                    "they are seen by this process only, and join its transactions.",
+                    hint="Use a file database (or MariaDB/PostgreSQL) to lock across processes.",
+                    id="distlocks.W002",
+                )
+            ]
+        return []

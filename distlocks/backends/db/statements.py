@@ -1,0 +1,74 @@
+"""The database lock backend's SQL statements, in each database's dialect."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+
+class Statements:
+    """The lock statements in one database's SQL, built once per vendor.
+
+    Hand-written rather than ORM queries: compiling a query costs more than the
+    round trip it makes, and these run on every acquire and release. Every time
+    is the database server's (``now``), never a client's.
+    """
+
+    def __init__(self, connection: BaseDatabaseWrapper) -> None:
+        from distlocks.models import Lock
+
+        vendor = connection.vendor
+        table = connection.ops.quote_name(Lock._meta.db_table)
+        if vendor == "mysql":
+            # UTC whatever the session's time zone, so a DST change on the server
+            # neither ends nor stretches a lease; Django reads DATETIME as UTC.
+            now, later = "UTC_TIMESTAMP(6)", "UTC_TIMESTAMP(6) + INTERVAL %s MICROSECOND"
+            self.lease: Callable[[float], Any] = lambda ttl: round(ttl * 1_000_000)
+        elif vendor == "postgresql":
+            now, later = "STATEMENT_TIMESTAMP()", "STATEMENT_TIMESTAMP() + %s * INTERVAL '1 microsecond'"
+            self.lease = lambda ttl: round(ttl * 1_000_000)
+        elif vendor == "sqlite":
+            # The text format Django stores datetimes in on SQLite.
+            now = "STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW')"
+            later = "STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW', %s)"
+            self.lease = lambda ttl: f"+{ttl:.3f} seconds"
+        else:
+            raise ImproperlyConfigured(f"the database lock backend does not support {connection.display_name}")
+        self.now = now
+        returning = " RETURNING id" if vendor == "postgresql" else ""
+        mine = f"lock_name = %s AND owner_secret = %s AND expires_at > {now}"
+        self.returning = bool(returning)
+        self.insert = (
+            f"INSERT INTO {table} (lock_name, owner_host, owner_pid, owner_thread, owner_secret,"
+            f" hold_count, acquired_at, expires_at) VALUES (%s, %s, %s, %s, %s, 1, {now}, {later}){returning}"
+        )
+        self.delete_expired = f"DELETE FROM {table} WHERE lock_name = %s AND expires_at <= {now}"
+        self.is_live = f"SELECT 1 FROM {table} WHERE lock_name = %s AND expires_at > {now}"
+        self.reenter = f"UPDATE {table} SET hold_count = hold_count + 1, expires_at = {later} WHERE {mine}"
+        self.extend = f"UPDATE {table} SET expires_at = {later} WHERE {mine}"
+        self.release_last = f"DELETE FROM {table} WHERE {mine} AND hold_count <= 1"
+        self.release_one = f"UPDATE {table} SET hold_count = hold_count - 1 WHERE {mine}"
+        self.drop_mine = f"DELETE FROM {table} WHERE lock_name = %s AND owner_secret = %s"
+        self.force_release = f"DELETE FROM {table} WHERE lock_name = %s"
+        # Compare and delete in one statement: the next holder's row has another id.
+        self.force_release_token = f"DELETE FROM {table} WHERE lock_name = %s AND id = %s"
+
+
+_statements: dict[str, Statements] = {}
+
+
+def sql_for(connection: BaseDatabaseWrapper) -> Statements:
+    statements = _statements.get(connection.vendor)
+    if statements is None:
+        statements = _statements[connection.vendor] = Statements(connection)
+    return statements
+
+
+def execute(connection: BaseDatabaseWrapper, sql: str, params: list[Any]) -> int:
+    """Run one statement; return the rows it changed."""
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        return int(cursor.rowcount)
