@@ -12,7 +12,7 @@ import pytest
 from django_redis import get_redis_connection
 
 import distlocks
-from distlocks.backends import redis as redis_backend
+from distlocks.backends.redis import backend as redis_backend
 from distlocks.handler import locks
 from distlocks.owner import acting_as, current_owner, task_owner
 

@@ -1,0 +1,347 @@
+"""The Redis lock backend: locks as Lua-managed hashes in the Redis of a django-redis cache alias."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Iterator, Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from django.core import checks
+from django.core.exceptions import ImproperlyConfigured
+
+from distlocks.backends.base import BaseLockBackend, LockInfo
+from distlocks.backends.redis.handover import Releases, Waiter, releases_for
+from distlocks.backends.redis.keys import key_of, lock_hash, lock_keys
+from distlocks.backends.redis.scripts import registered
+from distlocks.backends.redis.server import (
+    TIMEOUTS,
+    connection_errors,
+    eviction_policy,
+    inspected,
+    sets_timeout,
+    without_password,
+)
+from distlocks.exceptions import BackendUnavailable
+from distlocks.owner import Owner
+
+logger = logging.getLogger(__name__)
+
+# A thread that waited for a lock this many seconds ago or less queues at once (see begin_wait).
+WAITED_LATELY = 1.0
+
+
+def _info(owner: Owner) -> str:
+    """What a lock's hash shows operators: when it was acquired (seconds) and by whom."""
+    return f"{int(time.time())} {owner.description}"
+
+
+class RedisBackend(BaseLockBackend):
+    """Locks as Lua-managed hashes in the Redis of a django-redis cache alias."""
+
+    max_key_length = 1024
+    cleanup_noun = "unused fencing counters"
+
+    def __init__(self, alias: str, params: dict[str, Any]) -> None:
+        super().__init__(alias, params)
+        self.cache: str = self.options.get("CACHE", "default")
+        # This thread's waits (backend instances are per thread): the release
+        # event per key, and how long the last failed attempt said to wait.
+        self._waiting: dict[str, Waiter] = {}
+        self._wait_hint: dict[str, float] = {}
+        self._client_scripts: dict[str, Any] | None = None
+        self._process_releases: Releases | None = None
+        self._waited_at = -math.inf
+
+    @property
+    def client(self) -> Any:
+        """The redis-py client of the cache alias, on django-redis's connection pool."""
+        try:
+            from django_redis import get_redis_connection
+        except ImportError as exc:
+            raise ImproperlyConfigured(
+                f"DISTLOCKS[{self.alias!r}] needs django-redis: pip install 'distlocks[redis]'"
+            ) from exc
+        try:
+            return get_redis_connection(self.cache)
+        except NotImplementedError as exc:
+            raise ImproperlyConfigured(
+                f"DISTLOCKS[{self.alias!r}]: cache {self.cache!r} is not a django-redis cache"
+            ) from exc
+        except Exception as exc:  # InvalidCacheBackendError and friends
+            raise ImproperlyConfigured(f"DISTLOCKS[{self.alias!r}]: cache {self.cache!r}: {exc}") from exc
+
+    def _unavailable(self, exc: Exception) -> BackendUnavailable:
+        return BackendUnavailable(
+            f"Redis of cache {self.cache!r} for locks on {self.alias!r} is unavailable: {exc}", alias=self.alias
+        )
+
+    @contextlib.contextmanager
+    def _reaching(self) -> Iterator[None]:
+        """Turn the driver's connection errors into BackendUnavailable."""
+        try:
+            yield
+        except connection_errors() as exc:
+            raise self._unavailable(exc) from exc
+
+    def _call(self, script: str, keys: Sequence[str], args: list[Any]) -> Any:
+        """Run ``script``: the lock's hot path, so without a context manager and with the scripts kept."""
+        scripts = self._client_scripts
+        if scripts is None:
+            client = self.client
+            self._inspect(client)
+            scripts = self._client_scripts = registered(client)
+        try:
+            return scripts[script](keys=keys, args=args)
+        except connection_errors() as exc:
+            raise self._unavailable(exc) from exc
+
+    def _hash(self, key: str) -> str:
+        return lock_hash(key)
+
+    def _keys(self, key: str) -> tuple[str, str, str]:
+        return lock_keys(lock_hash(key))
+
+    @staticmethod
+    def _ms(ttl: float) -> int:
+        return max(1, round(ttl * 1000))
+
+    def try_acquire(self, key: str, owner: Owner, ttl: float) -> int | None:
+        waiter = self._waiting.get(key)
+        if waiter is not None and waiter.token:
+            return self._handed_over(key, owner, ttl, waiter, waiter.token)
+        lease = self._ms(ttl)
+        args = [owner.secret, lease, _info(owner)]
+        if waiter is not None:
+            args.append(waiter.queue_entry(owner, lease))
+            if waiter.queued:
+                args.append("queued")
+        sent = time.monotonic()
+        token = int(self._call("acquire", self._keys(key), args))
+        if token > 0:
+            # Taken now, or (a queued waiter) handed over by a release whose message it had not read.
+            return self._handed_over(key, owner, ttl, waiter, token) if waiter and waiter.queued else token
+        if waiter is not None and not waiter.queued:
+            waiter.queued = True
+            waiter.queued_at = sent
+        self._wait_hint[key] = -token / 1000
+        return None
+
+    def _handed_over(self, key: str, owner: Owner, ttl: float, waiter: Waiter, token: int) -> int | None:
+        """Take a lock a release handed to ``waiter``, if its lease is surely still ours.
+
+        The lease began at the hand-over, which came after the waiter queued: a
+        waiter that queued less than a third of ``ttl`` ago has two thirds of the
+        lease ahead at least. One that waited longer, or whose process was paused
+        meanwhile, renews it first: the lease may have run out and the lock gone
+        to someone else. Then it queues again.
+        """
+        waiter.token = 0
+        if time.monotonic() - waiter.queued_at <= ttl / 3 or self.extend(key, owner, ttl):
+            return token
+        logger.info("A lock handed over to a waiter was gone when it woke: queueing again")
+        return None
+
+    def reenter(self, key: str, owner: Owner, ttl: float) -> bool:
+        return bool(self._call("reenter", [self._hash(key)], [owner.secret, self._ms(ttl)]))
+
+    def release(self, key: str, owner: Owner) -> bool:
+        return int(self._call("release", self._keys(key), [owner.secret])) >= 0
+
+    def extend(self, key: str, owner: Owner, ttl: float) -> bool:
+        return bool(self._call("extend", [self._hash(key)], [owner.secret, self._ms(ttl)]))
+
+    def _releases(self) -> Releases:
+        releases = self._process_releases  # kept: looked up at every acquire that may wait
+        if releases is None or releases.forgotten:
+            releases = self._process_releases = releases_for((self.cache, self.address), lambda: self.client)
+        return releases
+
+    def begin_wait(self, key: str) -> None:
+        """Queue at the first attempt a thread that waited lately: it will likely wait again.
+
+        Joining the queue at once saves a round trip when the lock is taken;
+        when it is free, a plain attempt is cheaper, so others try first.
+        """
+        if time.monotonic() - self._waited_at < WAITED_LATELY:
+            releases = self._releases()
+            if releases.subscribed.is_set():  # no request made here
+                self._waiting[key] = releases.enlist()
+
+    def wait(self, key: str, attempt: int, remaining: float | None) -> None:
+        """Sleep until a release hands the lock to this waiter or the lease runs out, at most ``remaining``.
+
+        Unless ``begin_wait()`` found the process's channel subscribed already,
+        the first call subscribes it and returns: only then may the next
+        attempt queue the waiter. A release hands the lock to the first waiter
+        in the queue, first come first served, and the waiter takes it without
+        asking Redis again.
+        """
+        self._waited_at = time.monotonic()
+        releases = self._releases()
+        waiter = self._waiting.get(key)
+        if waiter is None:
+            with self._reaching():
+                waiter = self._waiting[key] = releases.enlist()
+            releases.wait_until(releases.subscribed.is_set, waiter, 1.0 if remaining is None else min(remaining, 1.0))
+            waiter.retry = False
+            return
+        timeout = self._wait_hint.get(key, 1.0)
+        waiting = timeout if remaining is None else min(timeout, remaining)
+        releases.wait_until(lambda: waiter.token > 0 or waiter.retry, waiter, waiting)
+        waiter.retry = False
+
+    def end_wait(self, key: str, acquired: bool) -> None:
+        self._wait_hint.pop(key, None)
+        waiter = self._waiting.pop(key, None)
+        if waiter is None:
+            return
+        if not acquired and waiter.entry:
+            # Leave the queue, passing on the lock if a release handed it over meanwhile.
+            with contextlib.suppress(BackendUnavailable):
+                self._call("abandon", self._keys(key), [waiter.id, waiter.entry])
+        self._releases().discharge(waiter)
+
+    # -- inspection and maintenance --------------------------------------------
+
+    def held(self) -> Iterator[LockInfo]:
+        with self._reaching():
+            yield from self._held()
+
+    def _held(self) -> Iterator[LockInfo]:
+        client = self.client
+        for raw in client.scan_iter(match="distlocks:{*}", count=500):
+            name = raw.decode() if isinstance(raw, bytes) else raw
+            pipe = client.pipeline(transaction=False)
+            pipe.hgetall(name)
+            pipe.pttl(name)
+            fields, lease_ms = pipe.execute()
+            if not fields or lease_ms < 0:
+                continue
+            fields = {k.decode(): v.decode() for k, v in fields.items()}
+            acquired, _, owner = fields.get("info", "").partition(" ")
+            now = datetime.now(UTC)
+            yield LockInfo(
+                alias=self.alias,
+                name=key_of(name),
+                owner=owner,
+                hold_count=int(fields.get("count", 0)),
+                token=int(fields["token"]) if "token" in fields else None,
+                acquired_at=datetime.fromtimestamp(int(acquired), UTC) if acquired.isdigit() else None,
+                expires_at=now + timedelta(milliseconds=lease_ms),
+            )
+
+    def force_release(self, key: str, token: int | None = None) -> bool:
+        return bool(self._call("force_release", self._keys(key), ["" if token is None else token]))
+
+    def take_at_least(self, key: str, owner: Owner, ttl: float, least: int) -> int | None:
+        """Take a free lock once, with a token of at least ``least``; its token, or None (Redlock's nodes)."""
+        token = int(
+            self._call("acquire_at_least", self._keys(key)[:2], [owner.secret, self._ms(ttl), _info(owner), least])
+        )
+        return token or None
+
+    def raise_token(self, key: str, owner: Owner, token: int) -> bool:
+        """Make the hash show ``token`` and the counter give a larger one next; False if ``owner`` does not hold it.
+
+        Redlock calls it on a majority that gave smaller tokens, so that any
+        later majority, which shares a node with this one, gives a larger token.
+        """
+        return bool(self._call("raise_token", self._keys(key)[:2], [owner.secret, token]))
+
+    def clear_expired(self, dry_run: bool = False) -> int:
+        """Delete fencing counters of locks not held (tokens still grow: they restart from the clock)."""
+        with self._reaching():
+            return self._clear_unused_counters(dry_run)
+
+    def _clear_unused_counters(self, dry_run: bool) -> int:
+        client = self.client
+        stale = []
+        for raw in client.scan_iter(match="distlocks:{*}:fence", count=500):
+            fence = raw.decode() if isinstance(raw, bytes) else raw
+            if not client.exists(fence[: -len(":fence")]):
+                stale.append(fence)
+        if stale and not dry_run:
+            client.delete(*stale)
+        return len(stale)
+
+    @property
+    def address(self) -> str:
+        """The cache's LOCATION, with any password masked: it goes into messages and logs."""
+        from django.conf import settings
+
+        location = settings.CACHES.get(self.cache, {}).get("LOCATION", self.cache)
+        urls = location if isinstance(location, list | tuple) else [location]
+        return ", ".join(without_password(str(url)) for url in urls)
+
+    def ping(self) -> list[checks.CheckMessage]:
+        """Ask Redis for a PONG, and warn if its eviction policy can delete held locks."""
+        with self._reaching():
+            client = self.client
+            client.ping()
+            return self._eviction_warnings(eviction_policy(client))
+
+    def _eviction_warnings(self, policy: str | None) -> list[checks.CheckMessage]:
+        if policy in (None, "noeviction"):
+            return []
+        return [
+            checks.Warning(
+                f"DISTLOCKS[{self.alias!r}]: the Redis of cache {self.cache!r} evicts keys "
+                f"(maxmemory-policy {policy}): when it runs short of memory it may delete a held "
+                "lock, and another process takes it while the holder goes on.",
+                hint="Set maxmemory-policy noeviction on that server, ideally a Redis of its own for "
+                "locks (with noeviction, a full Redis refuses writes instead of forgetting).",
+                id="distlocks.W011",
+            )
+        ]
+
+    def _inspect(self, client: Any) -> None:
+        """Log a warning, once per process and server, if the server's eviction policy can delete held locks."""
+        server = (self.cache, self.address)
+        if server in inspected:
+            return
+        try:
+            policy = eviction_policy(client)
+        except connection_errors():
+            return  # the call that follows says it; look again at the next first use
+        inspected.add(server)
+        for warning in self._eviction_warnings(policy):
+            logger.warning("%s %s", warning.msg, warning.hint)
+
+    def check(self) -> list[checks.CheckMessage]:
+        from django.conf import settings
+
+        if self.cache not in settings.CACHES:
+            return [
+                checks.Error(
+                    f"DISTLOCKS[{self.alias!r}] uses cache {self.cache!r}, which is not in CACHES.",
+                    hint="Set OPTIONS['CACHE'] to a django-redis cache alias.",
+                    id="distlocks.E004",
+                )
+            ]
+        try:
+            import django_redis  # noqa: F401
+        except ImportError:
+            return [
+                checks.Error(
+                    f"DISTLOCKS[{self.alias!r}] needs django-redis.",
+                    hint="pip install 'distlocks[redis]'",
+                    id="distlocks.E005",
+                )
+            ]
+        missing = [name for name in TIMEOUTS if not sets_timeout(settings.CACHES[self.cache], name)]
+        if missing:
+            return [
+                checks.Warning(
+                    f"DISTLOCKS[{self.alias!r}] uses cache {self.cache!r}, whose OPTIONS set no "
+                    f"{' and no '.join(missing)}: a Redis that hangs stalls lock calls and lease renewals "
+                    "for redis-py's default (forever before redis-py 8).",
+                    hint="Set OPTIONS['SOCKET_CONNECT_TIMEOUT'] and OPTIONS['SOCKET_TIMEOUT'] (seconds, "
+                    "e.g. 2 and 5): they bound how long a Redis that does not answer makes a lock call wait.",
+                    id="distlocks.W010",
+                )
+            ]
+        return []

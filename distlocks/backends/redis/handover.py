@@ -1,0 +1,169 @@
+"""The hand-over of a released lock to its first waiter, told on its process's pub/sub channel."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from distlocks.backends.redis.keys import lock_keys
+from distlocks.backends.redis.scripts import registered
+from distlocks.owner import Owner
+
+logger = logging.getLogger(__name__)
+
+
+class Waiter:
+    """A thread waiting for a lock, woken by the release that hands it the lock, with its token."""
+
+    def __init__(self, channel: str, waiter_id: str) -> None:
+        self.channel = channel
+        self.id = waiter_id
+        self.entry = ""  # its entry in the lock's queue, once it has one
+        self.wake = threading.Event()
+        self.token = 0
+        self.queued = False  # an attempt put its entry in the lock's queue
+        self.queued_at = 0.0  # when the first such attempt was sent (monotonic): no hand-over came before
+        self.retry = False  # the channel was (re)subscribed: releases may have been missed
+
+    def queue_entry(self, owner: Owner, lease_ms: int) -> str:
+        """Where to tell it, who it is, and the lease to hand it the lock with."""
+        self.entry = f"{self.channel}|{self.id}|{owner.secret}|{lease_ms}|{owner}"
+        return self.entry
+
+
+class Releases:
+    """One pub/sub connection per process and Redis, shared by every waiter.
+
+    The process listens on a channel of its own; a release tells the first
+    waiter in the lock's queue through its process's channel. There is no
+    reader thread between Redis and a waiter: one of the waiting threads reads
+    the connection and passes each message to the waiter it is for, so a process
+    with one waiter wakes straight from the socket, with no thread switch. When
+    the reading waiter leaves it wakes the others, one of which reads next.
+    """
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.pubsub = client.pubsub()
+        process = secrets.token_hex(8)
+        self.channel = f"distlocks:waiters:{process}"
+        self.waiter_ids = (f"{process}.{n}" for n in itertools.count(1))  # unique across processes
+        self.lock = threading.Lock()  # guards the waiters
+        self.reading = threading.Lock()  # held by the one thread that reads the connection
+        self.waiters: dict[str, Waiter] = {}
+        self.subscribing = False
+        self.subscribed = threading.Event()
+        self.broken = False
+        self.forgotten = False  # in a forked child: the parent's
+
+    def enlist(self) -> Waiter:
+        with self.lock:
+            waiter = Waiter(self.channel, next(self.waiter_ids))
+            if not self.subscribing:
+                self.pubsub.subscribe(self.channel)
+                self.subscribing = True
+            self.waiters[waiter.id] = waiter
+        return waiter
+
+    def discharge(self, waiter: Waiter) -> None:
+        with self.lock:
+            self.waiters.pop(waiter.id, None)
+
+    def wait_until(self, done: Callable[[], bool], waiter: Waiter, timeout: float) -> None:
+        """Return once ``done()`` or after ``timeout`` seconds, reading the connection when nobody else does."""
+        deadline = time.monotonic() + timeout
+        while not done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            if self.reading.acquire(blocking=False):
+                try:
+                    while not done() and (left := deadline - time.monotonic()) > 0:
+                        self._read(left)
+                finally:
+                    self.reading.release()
+                    with self.lock:  # one of the others reads next
+                        for other in self.waiters.values():
+                            other.wake.set()
+            else:
+                waiter.wake.wait(left)
+                waiter.wake.clear()
+
+    def _read(self, timeout: float) -> None:
+        """Read one message, waiting at most ``timeout`` seconds, and pass it to the waiter it is for."""
+        try:
+            message = self.pubsub.get_message(timeout=timeout)  # subscribed already: enlist() subscribes
+        except Exception as exc:  # the connection broke: redis-py reconnects and resubscribes
+            if not self.broken:  # once per outage, not at every read
+                logger.warning("Redis release channel lost, reconnecting: %s", exc)
+            self.broken = True
+            time.sleep(min(timeout, 0.5))
+            return
+        self.broken = False
+        if message is None:
+            return
+        if message["type"] == "subscribe":
+            # The first subscription, or a resubscription after a reconnect
+            # (a Redis restart forgets the queues): every waiter tries again.
+            with self.lock:
+                self.subscribed.set()
+                for waiter in self.waiters.values():
+                    waiter.retry = True
+                    waiter.wake.set()
+            return
+        if message["type"] != "message":
+            return
+        token, waiter_id, lock_hash = message["data"].decode().split(" ", 2)
+        with self.lock:
+            handed_to = self.waiters.get(waiter_id)
+            if handed_to is not None:
+                handed_to.token = int(token)
+                handed_to.wake.set()
+                return
+        # Handed to a waiter that left without leaving the queue (Redis was
+        # unreachable then): give it back, or nobody holds it for a lease.
+        from redis.exceptions import RedisError
+
+        with contextlib.suppress(RedisError):
+            registered(self.client)["abandon"](keys=lock_keys(lock_hash), args=[waiter_id, ""])
+
+
+# One per cache alias and server (tests point an alias at new servers), in this process.
+_releases: dict[tuple[str, str], Releases] = {}
+_releases_lock = threading.Lock()
+
+
+def _forget_releases_after_fork() -> None:
+    """Close the parent's pub/sub sockets in a forked child.
+
+    Left open, they would make Redis count the parent's channels as listened to
+    after the parent died, and hand locks to its dead waiters. redis-py closes
+    a connection of another process without shutting it down for the parent.
+    """
+    global _releases_lock
+    _releases_lock = threading.Lock()
+    for releases in _releases.values():
+        releases.forgotten = True
+        if releases.pubsub.connection is not None:
+            with contextlib.suppress(Exception):
+                releases.pubsub.connection.disconnect()
+    _releases.clear()
+
+
+os.register_at_fork(after_in_child=_forget_releases_after_fork)
+
+
+def releases_for(server: tuple[str, str], client: Callable[[], Any]) -> Releases:
+    """This process's hand-overs from ``server`` (cache alias, address), made on first use from ``client()``."""
+    with _releases_lock:
+        releases = _releases.get(server)
+        if releases is None:
+            releases = _releases[server] = Releases(client())
+    return releases

@@ -1,0 +1,202 @@
+"""The Lua scripts of the Redis backend: every change to a lock is one script, atomic on the server.
+
+Every script but Redlock's two gets the keys of one lock: KEYS[1] its hash,
+KEYS[2] its fencing counter, KEYS[3] its waiters' queue: a sorted set of
+"channel|waiter id|owner secret|lease ms|owner description" by arrival (ms).
+Each script's common case runs first and returns: its only TIME call is the
+fencing token's (in TAKE), and it creates no Lua function but ``take``, each of
+which would cost more than the rest of it. So the two shared functions, TAKE
+and PASS_ON, are prepended to the scripts that call them, and RELEASE defines
+``pass_on`` only past its common case. The hash's 'info', shown to operators
+only, is "<when acquired, in seconds> <owner description>": by the acquiring
+client's clock, or the server's for a hand-over (one argument, one field:
+cheaper).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Give the lock to an owner: a new fencing token, one hold, the lease. The
+# token is never below the server's clock in microseconds, so that a counter
+# that comes back stale (a restart from an RDB snapshot, a failover to a
+# replica that lagged) or not at all gives no token twice. Every later token is
+# larger as long as the server's clock does not go back; when it does (or two
+# takes fall in one microsecond), the counter counts on from the last token.
+TAKE = """
+local function take(secret, lease, info, least)
+  local clock = redis.call('TIME')
+  local token = clock[1] .. string.format('%06d', clock[2])
+  if least and tonumber(least) > tonumber(token) then token = least end
+  local last = redis.call('GETSET', KEYS[2], token)  -- SET ... GET needs Redis 6.2
+  if last and tonumber(last) >= tonumber(token) then
+    redis.call('SET', KEYS[2], last)
+    token = redis.call('INCR', KEYS[2])
+  end
+  redis.call('HSET', KEYS[1], 'owner', secret, 'count', 1, 'token', token, 'info', info)
+  redis.call('PEXPIRE', KEYS[1], lease)
+  return tonumber(token)
+end
+"""
+
+# The lock is free: hand it to the first waiter in the queue, marking the hash
+# 'granted' with the waiter's id and telling its process "token waiter-id
+# lock-key". A waiter whose process no longer listens (it died) is dropped, and
+# the lock goes to the next one.
+PASS_ON = (
+    TAKE
+    + """
+local function pass_on()
+  local now = redis.call('TIME')[1]
+  while true do
+    local first = redis.call('ZRANGE', KEYS[3], 0, 0)[1]
+    if not first then return end
+    redis.call('ZREM', KEYS[3], first)
+    local channel, id, secret, lease, info = string.match(first, '^([^|]*)|([^|]*)|([^|]*)|(%d+)|(.*)$')
+    local token = take(secret, lease, now .. ' ' .. info)
+    redis.call('HSET', KEYS[1], 'granted', id)
+    if redis.call('PUBLISH', channel, string.format('%d %s %s', token, id, KEYS[1])) > 0 then return end
+    redis.call('DEL', KEYS[1])
+  end
+end
+"""
+)
+
+# KEYS[1] the lock hash, KEYS[2] its fencing counter, KEYS[3] its waiters' queue
+# ARGV[1] the owner's secret, ARGV[2] the lease in ms, ARGV[3] the info; if it waits:
+# ARGV[4] its queue entry, where it queues when not acquired, and ARGV[5] (any value)
+# if an earlier attempt queued it
+# return the token when acquired; when not, minus the ms to wait at most (one integer: cheaper to read)
+ACQUIRE = (
+    TAKE
+    + """
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  if ARGV[5] then redis.call('ZREM', KEYS[3], ARGV[4]) end
+  return take(ARGV[1], ARGV[2], ARGV[3])
+end
+local lease_left = redis.call('PTTL', KEYS[1])
+if lease_left < 1 then lease_left = lease_left < 0 and 1000 or 1 end  -- no lease (set by hand): look again in 1 s
+if not ARGV[4] then return -lease_left end
+local granted, token = unpack(redis.call('HMGET', KEYS[1], 'granted', 'token'))
+if granted == string.match(ARGV[4], '^[^|]*|([^|]*)|') then
+  -- Handed to this waiter by a release whose message it has not read yet.
+  redis.call('HDEL', KEYS[1], 'granted')
+  return tonumber(token)
+end
+local clock = redis.call('TIME')
+redis.call('ZADD', KEYS[3], 'NX', clock[1] * 1000 + math.floor(clock[2] / 1000), ARGV[4])
+-- The queue outlives the lease this waiter will sleep through at most.
+local keep = math.max(lease_left, tonumber(ARGV[2])) + 60000
+if redis.call('PTTL', KEYS[3]) < keep then redis.call('PEXPIRE', KEYS[3], keep) end
+return -lease_left
+"""
+)
+
+# KEYS[1] the lock hash / ARGV[1] the owner's secret, ARGV[2] the lease in ms
+# return 1 if the owner holds it once more, 0 if it does not hold it
+REENTER = """
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
+redis.call('HINCRBY', KEYS[1], 'count', 1)
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+
+# KEYS[1] the lock hash, KEYS[2] its fencing counter, KEYS[3] its waiters' queue
+# ARGV[1] the owner's secret
+# return the holds left (0: released and passed on), -1 if the owner does not hold it
+RELEASE = (
+    """
+local owner, count = unpack(redis.call('HMGET', KEYS[1], 'owner', 'count'))
+if owner ~= ARGV[1] then return -1 end
+if tonumber(count) > 1 then return redis.call('HINCRBY', KEYS[1], 'count', -1) end
+redis.call('DEL', KEYS[1])
+if redis.call('EXISTS', KEYS[3]) == 0 then return 0 end
+"""
+    + PASS_ON
+    + """
+pass_on()
+return 0
+"""
+)
+
+# KEYS[1] the lock hash, KEYS[2] its fencing counter, KEYS[3] its waiters' queue
+# A waiter gives up, or its process got a hand-over for a waiter it no longer has:
+# ARGV[1] the waiter's id, ARGV[2] its queue entry ('' if none).
+# It leaves the queue; a lock handed to it and not taken, or a free lock, is passed on.
+# return 1 if it gave back a lock handed to it
+ABANDON = (
+    PASS_ON
+    + """
+if ARGV[2] ~= '' then redis.call('ZREM', KEYS[3], ARGV[2]) end
+if redis.call('HGET', KEYS[1], 'granted') == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  pass_on()
+  return 1
+end
+if redis.call('EXISTS', KEYS[1]) == 0 then pass_on() end
+return 0
+"""
+)
+
+# KEYS[1] the lock hash / ARGV[1] the owner's secret, ARGV[2] the lease in ms
+# return 1 if renewed, 0 if the owner does not hold it
+EXTEND = """
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
+return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+"""
+
+# KEYS[1] the lock hash, KEYS[2] its fencing counter, KEYS[3] its waiters' queue
+# ARGV[1] the fencing token it must still have ('': whatever it has)
+# return 1 if it was held and is now free
+FORCE_RELEASE = (
+    PASS_ON
+    + """
+if ARGV[1] ~= '' and tonumber(redis.call('HGET', KEYS[1], 'token')) ~= tonumber(ARGV[1]) then return 0 end
+if redis.call('DEL', KEYS[1]) == 0 then return 0 end
+pass_on()
+return 1
+"""
+)
+
+# KEYS[1] the lock hash, KEYS[2] its fencing counter
+# Redlock's acquire on one node: ARGV[1] the owner's secret, ARGV[2] the lease in ms, ARGV[3] the
+# info, ARGV[4] the least token to give (the client's proposal, so that the nodes of a majority
+# agree on one token and need no second round to raise the others)
+# return the token when acquired, 0 if the lock is held
+ACQUIRE_AT_LEAST = (
+    TAKE
+    + """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+return take(ARGV[1], ARGV[2], ARGV[3], ARGV[4])
+"""
+)
+
+# KEYS[1] the lock hash, KEYS[2] its fencing counter / ARGV[1] the owner's secret, ARGV[2] a token
+# Redlock gave out: the hash shows it and the counter will give a larger one next.
+# return 1 if the owner holds the lock here, 0 if not
+RAISE_TOKEN = """
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'token', ARGV[2])
+if (tonumber(redis.call('GET', KEYS[2])) or 0) < tonumber(ARGV[2]) then redis.call('SET', KEYS[2], ARGV[2]) end
+return 1
+"""
+
+
+SCRIPTS = {
+    "acquire": ACQUIRE,
+    "reenter": REENTER,
+    "release": RELEASE,
+    "abandon": ABANDON,
+    "extend": EXTEND,
+    "force_release": FORCE_RELEASE,
+    "raise_token": RAISE_TOKEN,
+    "acquire_at_least": ACQUIRE_AT_LEAST,
+}
+
+
+def registered(client: Any) -> dict[str, Any]:
+    """The scripts, registered once per client: redis-py runs them by EVALSHA, loading them on NOSCRIPT."""
+    scripts: dict[str, Any] | None = getattr(client, "_distlocks_scripts", None)
+    if scripts is None:
+        scripts = client._distlocks_scripts = {n: client.register_script(source) for n, source in SCRIPTS.items()}
+    return scripts

@@ -1,0 +1,60 @@
+"""What the Redis backend asks of a server and its cache's settings: errors, timeouts, eviction, address."""
+
+from __future__ import annotations
+
+import urllib.parse
+from typing import Any
+
+
+def connection_errors() -> tuple[type[Exception], ...]:
+    """The driver's errors for a server it cannot reach (imported late: redis is an optional dependency).
+
+    Called in ``except`` clauses, which evaluate it only when an exception is raised.
+    """
+    from redis.exceptions import ConnectionError, TimeoutError
+
+    return ConnectionError, TimeoutError
+
+
+#: The cache OPTIONS that bound how long a Redis that does not answer makes a call wait.
+TIMEOUTS = ("SOCKET_CONNECT_TIMEOUT", "SOCKET_TIMEOUT")
+
+
+def sets_timeout(cache: dict[str, Any], name: str) -> bool:
+    """Whether a django-redis cache's settings set the timeout ``name`` (in OPTIONS, or its pool's kwargs)."""
+    options = cache.get("OPTIONS") or {}
+    return bool(options.get(name) or (options.get("CONNECTION_POOL_KWARGS") or {}).get(name.lower()))
+
+
+def without_password(url: str) -> str:
+    """``url`` with its password (``redis://user:password@host``, ``?password=``) replaced by ***."""
+    parts = urllib.parse.urlsplit(url)
+    netloc = parts.netloc
+    userinfo, at, host = netloc.rpartition("@")
+    if at and ":" in userinfo:
+        netloc = f"{userinfo.partition(':')[0]}:***@{host}"
+    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+    if any(name == "password" for name, _ in query):
+        masked = [(name, "***" if name == "password" else value) for name, value in query]
+        return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=urllib.parse.urlencode(masked, safe="*")))
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc)) if netloc != parts.netloc else url
+
+
+# The servers whose eviction policy this process has looked at (at their first use).
+inspected: set[tuple[str, str]] = set()
+
+
+def eviction_policy(client: Any) -> str | None:
+    """The server's ``maxmemory-policy``, or None when it does not say (CONFIG disabled, renamed or denied)."""
+    from redis.exceptions import ResponseError
+
+    try:
+        reply = client.config_get("maxmemory-policy")
+    except ResponseError:
+        return None
+    policy = {_text(name): _text(value) for name, value in reply.items()}.get("maxmemory-policy")
+    return policy or None
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
