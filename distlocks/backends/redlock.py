@@ -69,8 +69,11 @@ INSPECT_SECONDS = 10.0
 #: How far (µs) the token an acquire proposes runs ahead of this host's clock: the clock skew between
 #: this host and the nodes below which they all give the proposed token, with no second round.
 TOKEN_LEAD = 1_000_000
-#: Threads per node and process that put the questions to it; a node that hangs holds at most these.
-WORKERS_PER_NODE = 8
+#: Threads per node and process that put the questions to it. One: a node then answers one
+#: owner's questions in the order they were asked, so that a release (or the undoing of a failed
+#: attempt) still on its way can never overtake, and delete, the same owner's next take of the
+#: lock there; and a node that hangs holds one thread.
+WORKERS_PER_NODE = 1
 
 
 class _Failed:
