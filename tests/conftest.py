@@ -188,3 +188,20 @@ class Holder:
         self.thread.join(30)
         assert not self.thread.is_alive()
         return self.error
+
+
+def guarded_events(log):
+    """The events ``tests.worker guarded`` processes wrote to ``log``, checked for mutual exclusion.
+
+    Each "enter" must be followed by the same process's "exit": no two processes inside at once.
+    """
+    events = [line.split() for line in log.read_text().splitlines()]
+    inside = None
+    for event, pid, _ in events:
+        if event == "enter":
+            assert inside is None, f"{pid} entered while {inside} was inside"
+            inside = pid
+        elif event == "exit":
+            assert inside == pid
+            inside = None
+    return events

@@ -13,7 +13,7 @@ import distlocks
 from distlocks.backends.redlock import NODE_DEADLINE_SHARE
 from distlocks.handler import locks
 from distlocks.owner import current_owner
-from tests.conftest import DB, Holder
+from tests.conftest import DB, Holder, guarded_events
 from tests.faults.conftest import free_elsewhere
 from tests.servers import REDIS_PORT, RedisServer, answers
 
@@ -229,14 +229,6 @@ def test_contending_processes_never_overlap_nor_lose_a_lock(name, workers, tmp_p
     running = [workers("guarded", "redlock", name, 4, log) for _ in range(4)]
     for worker in running:
         assert worker.finish(timeout=120) == ["done"]
-    events = [line.split() for line in log.read_text().splitlines()]
+    events = guarded_events(log)
     assert [event for event, *_ in events if event.startswith("error")] == []
-    inside = None
-    for event, pid, _ in events:
-        if event == "enter":
-            assert inside is None, f"{pid} entered while {inside} was inside"
-            inside = pid
-        elif event == "exit":
-            assert inside == pid
-            inside = None
     assert sum(event == "enter" for event, *_ in events) > 20
