@@ -19,10 +19,10 @@ from celery.exceptions import Retry
 from celery.result import AsyncResult
 from django.core.exceptions import ImproperlyConfigured
 
-from distlocks.backends.base import check_positive_number
+from distlocks.backends.base import check_positive_number, check_wait
 from distlocks.exceptions import LockError, LockNotAcquired
 from distlocks.handler import DEFAULT_ALIAS, locks
-from distlocks.lock import DistributedLock, check_wait
+from distlocks.lock import DistributedLock
 from distlocks.owner import acting_as, current_owner, task_id_of, task_owner
 
 logger = logging.getLogger(__name__)

@@ -14,9 +14,9 @@ from typing import Any
 from django.db import connections, transaction
 from django.http import HttpRequest, HttpResponse
 
-from distlocks.backends.base import check_positive_number
+from distlocks.backends.base import check_positive_number, check_wait
 from distlocks.handler import DEFAULT_ALIAS
-from distlocks.lock import DistributedLock, check_wait
+from distlocks.lock import DistributedLock
 
 View = Callable[..., Any]  # a view: sync, or async returning an awaitable
 LockedHandler = Callable[[HttpRequest, DistributedLock], HttpResponse]

@@ -5,13 +5,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
 import time
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, NoReturn, ParamSpec, TypeVar
 
-from distlocks.backends.base import BaseLockBackend, check_positive_number
+from distlocks.backends.base import BaseLockBackend, check_positive_number, check_wait
 from distlocks.exceptions import LockLost, LockNotAcquired, LockNotOwned
 from distlocks.handler import DEFAULT_ALIAS, locks
 from distlocks.holds import Hold, holds
@@ -31,17 +30,6 @@ class _Default:
 
 
 _DEFAULT: Any = _Default()
-
-
-def check_wait(wait: Any) -> float | None:
-    """Return ``wait`` as seconds (None: forever), or raise ValueError."""
-    if wait is None:
-        return None
-    if isinstance(wait, bool) or not isinstance(wait, int | float):
-        raise ValueError(f"wait must be a number of seconds or None, not {type(wait).__name__}")
-    if math.isnan(wait) or wait < 0:
-        raise ValueError(f"wait must be 0 or more seconds (None waits forever), not {wait!r}")
-    return None if math.isinf(wait) else float(wait)
 
 
 class DistributedLock:

@@ -76,6 +76,17 @@ def check_positive_number(value: Any, what: str) -> float:
     return float(value)
 
 
+def check_wait(wait: Any) -> float | None:
+    """Return ``wait`` as seconds (None: forever), or raise ValueError."""
+    if wait is None:
+        return None
+    if isinstance(wait, bool) or not isinstance(wait, int | float):
+        raise ValueError(f"wait must be a number of seconds or None, not {type(wait).__name__}")
+    if math.isnan(wait) or wait < 0:
+        raise ValueError(f"wait must be 0 or more seconds (None waits forever), not {wait!r}")
+    return None if math.isinf(wait) else float(wait)
+
+
 class BaseLockBackend:
     """Primitives a lock server offers; ``DistributedLock`` builds the lock on them.
 
