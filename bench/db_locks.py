@@ -8,9 +8,12 @@ Side by side in one run, on SQLite, MariaDB and PostgreSQL:
 - contended: 4 processes on one lock, timed for ``--seconds`` after a warm-up
   (see ``common.contend``), each doing a read-modify-write of a shared
   counter file inside: total cycles/s, the worst
-  wait for the lock, errors that reached the caller, and lost updates.
+  wait for the lock, the handoff share (how often the next holder is another
+  process: 1.0 when waiters are served in turn, near 0 when one process keeps
+  re-taking the lock), errors that reached the caller, and lost updates.
 The floor is the server's own lock: MariaDB GET_LOCK/RELEASE_LOCK, PostgreSQL
-pg_advisory_lock/pg_advisory_unlock. django-db-mutex does not wait: its loop
+pg_advisory_lock/pg_advisory_unlock. "native" is distlocks on that same lock
+(MySQLLockBackend, AdvisoryLockBackend), reentrant, fenced and renewed. django-db-mutex does not wait: its loop
 retries after 1 ms when the lock is taken.
 """
 
@@ -36,14 +39,16 @@ import django  # noqa: E402
 
 django.setup()
 
-from common import arguments, bump, contend, time_cycles  # noqa: E402  (bench/ is on sys.path)
 from django.core.management import call_command  # noqa: E402
 from django.db import DatabaseError, connections  # noqa: E402
 
 import distlocks  # noqa: E402
+from bench.common import arguments, bump, contend, time_cycles  # noqa: E402
 
 DATABASES = ["default", "mariadb", "postgresql"]
-IMPLS = ["floor", "django-db-mutex", "distlocks"]
+IMPLS = ["floor", "django-db-mutex", "distlocks", "native"]
+# The native backends' aliases (tests/settings.py), on the databases that have them.
+NATIVE = {"mariadb": "mariadb_native", "postgresql": "postgresql_native"}
 PROCESSES = 4
 
 
@@ -53,7 +58,7 @@ def cycle_of(impl: str, alias: str, name: str) -> tuple[Callable[[], bool], Call
     if impl == "floor":
         if connection.vendor == "mysql":
             sql = ("SELECT GET_LOCK(%s, 60)", "SELECT RELEASE_LOCK(%s)")
-            key: object = name
+            key: str | int = name
         elif connection.vendor == "postgresql":
             sql = ("SELECT pg_advisory_lock(%s)", "SELECT pg_advisory_unlock(%s)")
             key = zlib.crc32(name.encode())  # the same in every process
@@ -87,6 +92,10 @@ def cycle_of(impl: str, alias: str, name: str) -> tuple[Callable[[], bool], Call
                 mutex.stop()
 
         return mutex_acquire, mutex_release
+    if impl == "native":
+        if alias not in NATIVE:
+            return None
+        alias = NATIVE[alias]
     lock = distlocks.lock(name, using=alias, ttl=30)
     return lambda: lock.acquire(), lock.release
 
@@ -135,6 +144,8 @@ def worker(impl: str, alias: str, name: str, seconds: float, counter: str) -> No
             return None
         waited = time.monotonic() - started
         bump(path)
+        with open(f"{path}.order", "a") as order:  # who held it, in turn: for the handoff share
+            order.write(f"{os.getpid()}\n")
         try:
             release()
         except DatabaseError as exc:
@@ -155,7 +166,9 @@ def contended(impl: str, alias: str, seconds: float, tmp: Path) -> dict[str, flo
     processes = [subprocess.Popen(command, stdout=subprocess.PIPE, text=True) for _ in range(PROCESSES)]
     reports = [json.loads(p.communicate()[0].splitlines()[-1]) for p in processes]
     cycles = sum(r["cycles"] for r in reports)
+    turns = Path(f"{counter}.order").read_text().split()
     return {
+        "handoff": sum(a != b for a, b in zip(turns, turns[1:], strict=False)) / max(1, len(turns) - 1),
         "per_second": cycles / seconds,
         "worst_ms": max(r["worst"] for r in reports) * 1000,
         "errors": sum(len(r["errors"]) for r in reports),
@@ -206,6 +219,7 @@ def main() -> None:
         "x db-mutex",
         "contended/s",
         "worst wait ms",
+        "handoff",
         "errors",
         "lost updates",
     ]:
@@ -241,6 +255,7 @@ def main() -> None:
                 f"{median / mutex:.2f}",
                 f"{run.get('per_second', 0):.0f}",
                 f"{run.get('worst_ms', 0):.1f}",
+                f"{run.get('handoff', 0):.2f}",
                 str(run.get("errors", "-")),
                 str(run.get("lost_updates", "-")),
             )

@@ -31,11 +31,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from common import arguments, bump, contend, time_cycles  # noqa: E402  (bench/ is on sys.path)
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
+
+from bench.common import arguments, bump, contend, time_cycles  # noqa: E402
+
 os.environ["DJANGO_SETTINGS_MODULE"] = "tests.settings"
 
 IMPLS = ["floor", "kazoo Lock", "distlocks"]

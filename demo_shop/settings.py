@@ -109,7 +109,11 @@ DATABASES = {"default": database(os.environ.get("DISTLOCKS_DB", "sqlite"), os.en
 DATABASES["default"]["ATOMIC_REQUESTS"] = os.environ.get("DEMO_ATOMIC_REQUESTS") == "1"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
-DISTLOCKS: dict[str, dict[str, Any]] = {"default": {"BACKEND": "distlocks.backends.db.DatabaseBackend", "TTL": 30}}
+# DEMO_LOCK_TTL: every lock alias's lease in seconds (oversell --pause-every makes it shorter than the pauses).
+DEMO_LOCK_TTL = float(os.environ.get("DEMO_LOCK_TTL", "30"))
+DISTLOCKS: dict[str, dict[str, Any]] = {
+    "default": {"BACKEND": "distlocks.backends.db.DatabaseBackend", "TTL": DEMO_LOCK_TTL}
+}
 
 CACHES: dict[str, dict[str, Any]] = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
 
@@ -137,6 +141,8 @@ if REDLOCK_URLS := os.environ.get("DISTLOCKS_REDLOCK_URLS"):
 # DISTLOCKS_ZOOKEEPER=127.0.0.1:2181 adds the "zookeeper" lock alias.
 if ZOOKEEPER := os.environ.get("DISTLOCKS_ZOOKEEPER"):
     DISTLOCKS["zookeeper"] = {"BACKEND": "distlocks.backends.zookeeper.ZooKeeperBackend", "LOCATION": ZOOKEEPER}
+for _entry in DISTLOCKS.values():
+    _entry.setdefault("TTL", DEMO_LOCK_TTL)
 
 # Celery (demo_shop/celery.py): the broker and result store from the environment.
 CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", "redis://127.0.0.1:6379/1")

@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
-from distlocks.exceptions import BackendUnavailable, LockError, LockLost, LockNotAcquired, LockNotOwned
+from distlocks.exceptions import (
+    BackendUnavailable,
+    LockError,
+    LockLost,
+    LockNotAcquired,
+    LockNotOwned,
+    StaleToken,
+)
 from distlocks.lock import DistributedLock, lock
+from distlocks.multi import MultiLock, multi_lock
+from distlocks.semaphore import Semaphore, semaphore
 
 __all__ = [
     "BackendUnavailable",
@@ -12,5 +21,10 @@ __all__ = [
     "LockLost",
     "LockNotAcquired",
     "LockNotOwned",
+    "MultiLock",
+    "Semaphore",
+    "StaleToken",
     "lock",
+    "multi_lock",
+    "semaphore",
 ]

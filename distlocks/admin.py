@@ -6,9 +6,10 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from typing import Any
 
+from django.apps import apps
 from django.contrib import admin, messages
 from django.contrib.admin.models import DELETION, LogEntry
 from django.core.exceptions import ImproperlyConfigured, PermissionDenied
@@ -153,7 +154,7 @@ class LockAdmin(admin.ModelAdmin):
         if query:
             needle = query.casefold()
             found = [info for info in found if needle in info.name.casefold() or needle in info.owner.casefold()]
-        now = datetime.now(UTC)
+        now = datetime.now(timezone.utc)
         rows = [HeldLockRow(info, info.lease_left(now)) for info in found]
 
         context = {
@@ -171,9 +172,18 @@ class LockAdmin(admin.ModelAdmin):
             "chosen_alias": chosen_alias,
             "selected_var": SELECTED_VAR,
             "has_waiters": any(row.info.waiters is not None for row in rows),
+            "recent_charts": self._recent_charts(chosen_alias),
         }
         request.current_app = self.admin_site.name
         return TemplateResponse(request, self.held_locks_template, context)
+
+    def _recent_charts(self, alias: str | None) -> list[Any]:
+        """Charts of the last minutes' waits and losses, where distlocks.metrics is installed."""
+        if not apps.is_installed("distlocks.metrics"):
+            return []
+        from distlocks.metrics.recent import charts
+
+        return [chart for chart in charts() if alias is None or chart.alias == alias]
 
     def _held(self, aliases: Sequence[str]) -> tuple[list[LockInfo], dict[str, str]]:
         found: list[LockInfo] = []

@@ -11,7 +11,7 @@ import inspect
 import logging
 import string
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from typing import Any
 
 from celery import Task
@@ -21,9 +21,9 @@ from django.core.exceptions import ImproperlyConfigured
 
 from distlocks.backends.base import check_positive_number, check_wait
 from distlocks.exceptions import LockError, LockNotAcquired
-from distlocks.handler import DEFAULT_ALIAS, locks
+from distlocks.handler import DEFAULT_ALIAS
 from distlocks.lock import DistributedLock
-from distlocks.owner import acting_as, current_owner, task_id_of, task_owner
+from distlocks.owner import acting_as, task_id_of, task_owner
 
 logger = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ class LockedTask(Task):
         lock = DistributedLock(name, using=self.lock_using, ttl=self.lock_ttl, wait=self._lock_wait())
         shared = self.lock_across_retries or self.lock_dedupe
         if shared:
-            _refuse_session_backend(lock.alias)
+            _refuse_session_backend(lock)
         with acting_as(task_owner(task_id, shared=shared)):
             marker = self._dedupe_marker(name) if self.lock_dedupe else None
             if marker is not None and not marker.hold_count:
@@ -302,28 +302,26 @@ class LockedTask(Task):
             return super().apply_async(args, kwargs, task_id=task_id, **options)
         from celery.utils import uuid
 
-        _refuse_session_backend(self.lock_using)
         marker = self._dedupe_marker(self.lock_name_for(tuple(args or ()), dict(kwargs or {})))
-        backend = locks[marker.alias]
+        _refuse_session_backend(marker)
         task_id = task_id or uuid()
-        owner = task_owner(task_id, shared=True)
         delay = options.get("countdown") or 0
         if isinstance(options.get("eta"), datetime):
             delay = _seconds_until(options["eta"])
-        for _ in range(5):
-            if backend.try_acquire(marker.key, owner, self.lock_dedupe_ttl + max(0.0, delay)) is not None:
-                try:
-                    return super().apply_async(args, kwargs, task_id=task_id, **options)
-                except BaseException:
-                    backend.release(marker.key, owner)
-                    raise
-            # Who holds it: listing the held locks costs a scan of the backend, on duplicates only.
-            queued = backend.holder(marker.key)
-            queued_id = task_id_of(queued.owner) if queued else None
-            if queued_id:
-                logger.debug("Task %s not queued: %s is queued or running for %r", task_id, queued_id, marker.name)
-                return AsyncResult(queued_id, app=self.app, task_name=self.name)
-            # Released between the two looks: try again.
+        with acting_as(task_owner(task_id, shared=True)):
+            for _ in range(5):
+                if marker.take_detached(lease=self.lock_dedupe_ttl + max(0.0, delay)) is not None:
+                    try:
+                        return super().apply_async(args, kwargs, task_id=task_id, **options)
+                    except BaseException:
+                        marker.release_detached()
+                        raise
+                queued = marker.holder()
+                queued_id = task_id_of(queued.owner) if queued else None
+                if queued_id:
+                    logger.debug("Task %s not queued: %s is queued or running for %r", task_id, queued_id, marker.name)
+                    return AsyncResult(queued_id, app=self.app, task_name=self.name)
+                # Released between the two looks: try again.
         raise LockNotAcquired(
             f"{self.name}: dedupe marker {marker.name!r} keeps changing hands", name=marker.name, alias=marker.alias
         )
@@ -336,24 +334,24 @@ class LockedTask(Task):
             if marker.hold_count:
                 marker.release()
             else:  # it could not be renewed (its lease ran out): release it if it is still ours
-                locks[marker.alias].release(marker.key, current_owner())
+                marker.release_detached()
         except LockError as exc:
             logger.warning("Dedupe marker %r of task %s was lost: %s", marker.name, self.request.id, exc)
 
 
-def _refuse_session_backend(alias: str) -> None:
-    if locks[alias].session_bound:
+def _refuse_session_backend(lock: DistributedLock) -> None:
+    if lock.session_bound:
         raise ImproperlyConfigured(
             f"lock_across_retries and lock_dedupe need a lease backend (database, Redis, Redlock): "
-            f"a lock on {alias!r} lives with the session of the process that took it"
+            f"a lock on {lock.alias!r} lives with the session of the process that took it"
         )
 
 
 def _seconds_until(when: Any) -> float:
     """Seconds until a Retry's ``when`` (a countdown, or an eta)."""
     if isinstance(when, datetime):
-        aware = when if when.tzinfo else when.replace(tzinfo=UTC)
-        return max(0.0, (aware - datetime.now(UTC)).total_seconds())
+        aware = when if when.tzinfo else when.replace(tzinfo=timezone.utc)
+        return max(0.0, (aware - datetime.now(timezone.utc)).total_seconds())
     if isinstance(when, int | float):
         return max(0.0, float(when))
     return 0.0

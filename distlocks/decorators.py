@@ -49,7 +49,9 @@ def distributed_lock(
     has committed or rolled back: with ``ATOMIC_REQUESTS = True`` this decorator
     opens those transactions itself, inside the lock, so another request can
     never read the data before this one's writes are committed (the pitfall of
-    releasing a lock inside a transaction before it commits).
+    releasing a lock inside a transaction before it commits). A view called
+    inside a transaction it does not own (from another view) keeps the lock
+    until that transaction ends, as ``lock(..., until="commit")`` does.
     """
     if ttl is not None:
         check_positive_number(ttl, "ttl")
@@ -57,7 +59,7 @@ def distributed_lock(
 
     def make_lock(request: HttpRequest, args: tuple[Any, ...], kwargs: dict[str, Any]) -> DistributedLock:
         lock_name = name(request, *args, **kwargs) if callable(name) else name.format(**kwargs)
-        return DistributedLock(lock_name, using=using, ttl=ttl, wait=wait, renew=renew)
+        return DistributedLock(lock_name, using=using, ttl=ttl, wait=wait, renew=renew, until="commit")
 
     def decorator(view: View) -> View:
         if iscoroutinefunction(view):

@@ -26,3 +26,28 @@ class LockLost(LockError):
 
 class BackendUnavailable(LockError):
     """The lock server cannot be reached; the driver's error is chained."""
+
+
+class StaleToken(LockLost):
+    """A fenced write carried a smaller token than the row's: a newer holder wrote it, nothing was written.
+
+    ``model``, ``pk``, ``token`` (the writer's) and ``current`` (the row's) say
+    which write was refused; ``name`` and ``alias`` are the lock's when known.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        name: str | None = None,
+        alias: str | None = None,
+        model: str | None = None,
+        pk: object = None,
+        token: int | None = None,
+        current: int | None = None,
+    ) -> None:
+        super().__init__(message, name=name, alias=alias)
+        self.model = model
+        self.pk = pk
+        self.token = token
+        self.current = current

@@ -17,6 +17,8 @@ DEFAULT_ALIAS = "default"
 DEFAULT_SETTINGS = {DEFAULT_ALIAS: {"BACKEND": "distlocks.backends.db.DatabaseBackend"}}
 BUILTIN_BACKENDS = (
     "distlocks.backends.db.DatabaseBackend",
+    "distlocks.backends.mysql.MySQLLockBackend",
+    "distlocks.backends.postgresql.AdvisoryLockBackend",
     "distlocks.backends.redis.RedisBackend",
     "distlocks.backends.redlock.RedlockBackend",
     "distlocks.backends.zookeeper.ZooKeeperBackend",

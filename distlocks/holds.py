@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 
 from distlocks.backends.base import BaseLockBackend
@@ -32,6 +33,8 @@ class Hold:
     #: Inner acquires and releases whose request failed: the server may count
     #: up to this many holds more than ``count``, so the last release makes sure.
     uncounted: int = 0
+    #: When the lock was taken (monotonic), for the ``held`` of ``lock_released``.
+    acquired: float = field(default_factory=time.monotonic)
 
     def renewed(self, started: float, ttl: float | None = None) -> None:
         """Note a renewal for ``ttl`` (default: the hold's) whose request left at ``started`` (monotonic).

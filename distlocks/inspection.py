@@ -1,4 +1,4 @@
-"""What the admin page and the ``distlocks_list`` / ``distlocks_release`` commands share."""
+"""What the admin page and the management commands ask of the backends: the one place they reach them."""
 
 from __future__ import annotations
 
@@ -45,3 +45,17 @@ def force_release(alias: str, key: str, token: int | None = None) -> bool:
     """
     backend = locks[alias]
     return backend.force_release(key) if token is None else backend.force_release(key, token)
+
+
+def holder(alias: str, key: str) -> LockInfo | None:
+    """The lock stored as ``key`` if it is held right now (one look at the server), else None."""
+    return locks[alias].holder(key)
+
+
+def clear_expired(alias: str, dry_run: bool = False) -> tuple[int, str]:
+    """Delete what locks no longer held left on ``alias``'s server: (how many, what they are).
+
+    Raise NotImplementedError if the backend keeps no such state.
+    """
+    backend = locks[alias]
+    return backend.clear_expired(dry_run=dry_run), backend.cleanup_noun

@@ -10,12 +10,13 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, NoReturn, ParamSpec, TypeVar
 
-from distlocks.backends.base import BaseLockBackend, check_positive_number, check_wait
-from distlocks.exceptions import LockLost, LockNotAcquired, LockNotOwned
+from distlocks.backends.base import BaseLockBackend, LockInfo, check_positive_number, check_wait
+from distlocks.exceptions import LockError, LockLost, LockNotAcquired, LockNotOwned
 from distlocks.handler import DEFAULT_ALIAS, locks
 from distlocks.holds import Hold, holds
 from distlocks.owner import Owner, current_owner
-from distlocks.signals import lock_acquired, lock_released
+from distlocks.signals import lock_acquire_failed, lock_acquired, lock_released
+from distlocks.transactions import after_transactions
 from distlocks.watchdog import watchdog
 
 logger = logging.getLogger(__name__)
@@ -32,11 +33,54 @@ class _Default:
 _DEFAULT: Any = _Default()
 
 
-class DistributedLock:
+L = TypeVar("L", bound="LockAPI")
+
+
+class LockAPI:
+    """The context manager and decorator of every kind of lock, built on its ``acquire()`` and ``release()``."""
+
+    wait: float | None
+
+    def acquire(self, wait: float | None = _DEFAULT) -> bool:
+        raise NotImplementedError("subclasses of LockAPI must provide an acquire() method")
+
+    def release(self) -> None:
+        raise NotImplementedError("subclasses of LockAPI must provide a release() method")
+
+    def _not_acquired(self, wait: float | None) -> LockNotAcquired:
+        raise NotImplementedError("subclasses of LockAPI must provide a _not_acquired() method")
+
+    def __enter__(self: L) -> L:
+        if not self.acquire():
+            raise self._not_acquired(self.wait)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+    def __call__(self, func: Callable[P, R]) -> Callable[P, R]:
+        """Use the lock as a decorator: hold it while ``func`` runs."""
+
+        @functools.wraps(func)
+        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+            with self:
+                return func(*args, **kwargs)
+
+        return wrapper
+
+
+class DistributedLock(LockAPI):
     """A named lock shared by every process that uses the same backend.
 
     Ownership, hold count and token belong to the calling thread, not to the
     object, so one object may be shared by many threads (as a decorator it is).
+    With ``until="commit"``, a release inside a database transaction keeps the
+    lock until that transaction has committed or rolled back.
     """
 
     def __init__(
@@ -47,6 +91,7 @@ class DistributedLock:
         ttl: float | None = None,
         wait: float | None = None,
         renew: bool = True,
+        until: str | None = None,
     ) -> None:
         if not isinstance(name, str):
             raise ValueError(f"name must be a str, not {type(name).__name__}")
@@ -56,6 +101,8 @@ class DistributedLock:
             raise ValueError(f"using must be the str alias of a DISTLOCKS entry, not {type(using).__name__}")
         if not isinstance(renew, bool):
             raise ValueError(f"renew must be True or False, not {renew!r}")
+        if until is not None and not (isinstance(until, str) and until == "commit"):
+            raise ValueError(f"until must be None (release at once) or 'commit', not {until!r}")
         backend = locks[using]
         self.name = name
         self.alias = using
@@ -63,6 +110,7 @@ class DistributedLock:
         self.ttl = backend.default_ttl if ttl is None else check_positive_number(ttl, "ttl")
         self.wait = check_wait(wait)
         self.renew = renew
+        self.until = until
 
     def __repr__(self) -> str:
         return f"<DistributedLock {self.name!r} using={self.alias!r} ttl={self.ttl} wait={self.wait}>"
@@ -94,6 +142,44 @@ class DistributedLock:
         hold = self._hold()
         return bool(hold and hold.lost)
 
+    @property
+    def session_bound(self) -> bool:
+        """True if a hold lives with the holding process's session (ZooKeeper), not as a lease.
+
+        Such a hold cannot outlive its process: ``detach()``/``resume()`` and
+        ``take_detached()`` need a lease backend.
+        """
+        return self._backend.session_bound
+
+    def holder(self) -> LockInfo | None:
+        """Who holds the lock right now, whatever process or thread (None: free); one look at the server."""
+        return self._backend.holder(self.key)
+
+    def take_detached(self, lease: float) -> int | None:
+        """Take the free lock once for the current owner, held by no thread; return its token, or None.
+
+        The lease runs out after ``lease`` seconds unless the same owner
+        ``resume()``s it (a Celery task's dedupe marker, taken when the task is
+        queued, resumed when it runs) or frees it with ``release_detached()``.
+        """
+        if self.session_bound:
+            raise ValueError(self._message("lives with its process's session: it cannot be taken detached"))
+        return self._backend.try_acquire(self.key, current_owner(), check_positive_number(lease, "lease"))
+
+    def release_detached(self) -> bool:
+        """Free the current owner's lease that no thread holds; False if it was not the owner's any more."""
+        if self._hold() is not None:
+            raise ValueError(self._message("is held by this thread: release() it"))
+        return self._backend.release(self.key, current_owner())
+
+    def record(self, value: str) -> str:
+        """Store ``value`` on the server under the lock's name unless one is there; return the one stored.
+
+        Only session-bound backends (ZooKeeper) keep such values: elsewhere
+        NotImplementedError (a lease shared by one owner's copies does it there).
+        """
+        return self._backend.record(self.key, value)
+
     def _message(self, what: str) -> str:
         return f"Lock {self.name!r} on {self.alias!r} {what}"
 
@@ -105,6 +191,7 @@ class DistributedLock:
         hold. Raise LockLost if the thread's hold was lost, BackendUnavailable if
         the server cannot be reached.
         """
+        called = time.monotonic()
         wait = self.wait if wait is _DEFAULT else check_wait(wait)
         backend = locks[self.alias]
         mine = holds()
@@ -113,9 +200,14 @@ class DistributedLock:
             self._reenter(hold, backend)
             return True
         owner = current_owner()
-        taken = self._take(backend, owner, wait)
+        try:
+            taken = self._take(backend, owner, wait)
+        except Exception as exc:
+            self._failed(called, exc)
+            raise
         if taken is None:
             logger.debug("Lock %r on %r not acquired within %ss", self.name, self.alias, wait)
+            self._failed(called, None)
             return False
         token, started = taken
         hold = Hold(type(self), backend, self.alias, self.name, self.key, owner, token, self.ttl, started + self.ttl)
@@ -125,16 +217,29 @@ class DistributedLock:
                 watchdog().watch(hold, renew=self.renew)
             logger.debug("Acquired lock %r on %r, token %d", self.name, self.alias, token)
             if lock_acquired.receivers:  # sending costs microseconds even to nobody
-                lock_acquired.send_robust(sender=type(self), name=self.name, alias=self.alias, token=token)
-        except BaseException:
+                waited = hold.acquired - called
+                lock_acquired.send_robust(
+                    sender=type(self), name=self.name, alias=self.alias, token=token, waited=waited
+                )
+        except BaseException as exc:
             # Whatever broke here (a thread that cannot start, an interrupt),
             # the caller is told it did not get the lock: it must not stay held.
             mine.pop((self.alias, self.key), None)
             watchdog().unwatch(hold)
             with contextlib.suppress(Exception):
                 backend.release(self.key, owner)
+            if isinstance(exc, Exception):
+                self._failed(called, exc)
             raise
         return True
+
+    def _failed(self, called: float, error: Exception | None) -> None:
+        """Tell ``lock_acquire_failed`` that the acquire called at ``called`` (monotonic) gave up or raised."""
+        if lock_acquire_failed.receivers:
+            waited = time.monotonic() - called
+            lock_acquire_failed.send_robust(
+                sender=type(self), name=self.name, alias=self.alias, waited=waited, error=error
+            )
 
     def _take(self, backend: BaseLockBackend, owner: Owner, wait: float | None) -> tuple[int, float] | None:
         """Try until the lock is taken or ``wait`` runs out: (token, when the winning request left), or None."""
@@ -176,9 +281,30 @@ class DistributedLock:
     def release(self) -> None:
         """Release one hold of the lock.
 
-        Raise LockNotOwned if the calling thread does not hold it, LockLost if
-        its lease expired, was taken over or was force-released meanwhile.
+        With ``until="commit"`` and a transaction open in this thread, the lock
+        stays held (and renewed) until the transaction ends: it is released
+        right after the commit, or at the rollback. Raise LockNotOwned if the
+        calling thread does not hold it, LockLost if its lease expired, was
+        taken over or was force-released meanwhile.
         """
+        if self.until == "commit":
+            hold = self._hold()
+            if hold is not None and not hold.lost and after_transactions(self._release_after_transaction):
+                return
+        self._release()
+
+    def _release_after_transaction(self, committed: bool) -> None:
+        """The deferred release: a failure has nobody left to raise to, so it is logged."""
+        try:
+            self._release()
+        except LockError as exc:
+            # After a commit the writes may have gone in unprotected: say so. After
+            # a rollback nothing was written (and SQLite's rollback drops the lock).
+            level = logging.WARNING if committed else logging.DEBUG
+            when = "its transaction committed" if committed else "its transaction rolled back"
+            logger.log(level, "Lock %r on %r released after %s: %s", self.name, self.alias, when, exc)
+
+    def _release(self) -> None:
         mine = holds()
         hold = mine.get((self.alias, self.key))
         if hold is None:
@@ -207,7 +333,8 @@ class DistributedLock:
             self._lost(hold, "its lease was gone at release")
         logger.debug("Released lock %r on %r", self.name, self.alias)
         if lock_released.receivers:
-            lock_released.send_robust(sender=type(self), name=self.name, alias=self.alias, token=hold.token)
+            held = time.monotonic() - hold.acquired
+            lock_released.send_robust(sender=type(self), name=self.name, alias=self.alias, token=hold.token, held=held)
 
     def _release_inner(self, hold: Hold) -> None:
         """Release a hold that is not the last: the outer one goes on, renewed."""
@@ -265,28 +392,8 @@ class DistributedLock:
             watchdog().watch(hold)
         return True
 
-    def __enter__(self) -> DistributedLock:
-        if not self.acquire():
-            raise LockNotAcquired(self._message(f"not acquired within {self.wait}s"), name=self.name, alias=self.alias)
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.release()
-
-    def __call__(self, func: Callable[P, R]) -> Callable[P, R]:
-        """Use the lock as a decorator: hold it while ``func`` runs."""
-
-        @functools.wraps(func)
-        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-            with self:
-                return func(*args, **kwargs)
-
-        return wrapper
+    def _not_acquired(self, wait: float | None) -> LockNotAcquired:
+        return LockNotAcquired(self._message(f"not acquired within {wait}s"), name=self.name, alias=self.alias)
 
 
 def lock(
@@ -296,6 +403,7 @@ def lock(
     ttl: float | None = None,
     wait: float | None = None,
     renew: bool = True,
+    until: str | None = None,
 ) -> DistributedLock:
     """Return a lock on ``name`` from the ``using`` backend (see DistributedLock)."""
-    return DistributedLock(name, using=using, ttl=ttl, wait=wait, renew=renew)
+    return DistributedLock(name, using=using, ttl=ttl, wait=wait, renew=renew, until=until)

@@ -55,3 +55,34 @@ class Lock(models.Model):
     @property
     def owner(self) -> str:
         return f"{self.owner_host}:{self.owner_pid}:{self.owner_thread}"
+
+
+class NativeLease(models.Model):
+    """The lease and fencing token of a lock held through a native backend (``GET_LOCK``, advisory locks).
+
+    The server's lock is the mutual exclusion; this row says who holds it, from
+    which server session, until when (the lease), and with which token: every
+    acquisition writes a new row id, and auto-increment values only grow.
+    """
+
+    id = models.BigAutoField(primary_key=True, verbose_name=_("fencing token"))
+    lock_name = LockNameField(_("lock name"), max_length=255, unique=True)
+    #: What the server locks: the GET_LOCK name, or the advisory lock's 64-bit key.
+    lock_key = models.CharField(_("server lock"), max_length=64)
+    #: The holder's server session (CONNECTION_ID(), pg_backend_pid()).
+    session = models.BigIntegerField(_("server session"))
+    owner_host = models.CharField(_("owner host"), max_length=255)
+    owner_pid = models.PositiveIntegerField(_("owner pid"))
+    owner_thread = models.CharField(_("owner thread"), max_length=255)
+    owner_secret = models.CharField(max_length=64, editable=False)
+    hold_count = models.PositiveIntegerField(_("hold count"), default=1)
+    acquired_at = models.DateTimeField(_("acquired at"))
+    expires_at = models.DateTimeField(_("expires at"))
+
+    class Meta:
+        db_table = "distlocks_native_lease"
+        verbose_name = _("native lock lease")
+        verbose_name_plural = _("native lock leases")
+
+    def __str__(self) -> str:
+        return self.lock_name

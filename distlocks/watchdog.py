@@ -167,6 +167,14 @@ class Watchdog:
     def watches(self, hold: Hold) -> bool:
         return hold in self._due
 
+    def renews(self, alias: str, key: str, token: int) -> bool:
+        """Whether that acquisition of the lock is being renewed, by a live thread (``distlocks.testing`` waits for it)."""
+        with self._lock:
+            return any(
+                (hold.alias, hold.key, hold.token) == (alias, key, token) and hold.thread.is_alive()
+                for hold in self._due
+            )
+
     def renew_soon(self, alias: str | None = None) -> None:
         """Renew the holds on ``alias`` (every alias: None) now: a backend said they may be gone."""
         with self._cond:

@@ -1,27 +1,49 @@
 # Helpers shared by scripts/demo.sh and scripts/test.sh (sourced, not run).
 
-# Print a Python >= 3.12 (Django 6 needs it), or fail saying how to get one.
+# Print the newest Python whose version lies between $1 and $2 (default: 3.10
+# and newer; Django 6 needs 3.12, Django 5.2 runs on 3.10), looking at $PYTHON
+# first, then the PATH and pyenv's versions; or fail saying how to get one.
 find_python() {
-  local candidate
-  for candidate in "${PYTHON:-}" python3 python3.13 python3.12 \
-      "$HOME"/.pyenv/versions/3.13*/bin/python3 "$HOME"/.pyenv/versions/3.12*/bin/python3; do
+  local lowest="${1:-3.10}" highest="${2:-3.99}" candidate version best="" best_key=0
+  for candidate in "${PYTHON:-}" python3 python3.14 python3.13 python3.12 python3.11 python3.10 \
+      "$HOME"/.pyenv/versions/3.*/bin/python3; do
     [ -n "$candidate" ] && command -v "$candidate" >/dev/null 2>&1 || continue
-    if "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
+    version=$("$candidate" -c 'import sys; print("%d %d" % sys.version_info[:2])' 2>/dev/null) || continue
+    python_in_range "$version" "$lowest" "$highest" || continue
+    if [ -n "${PYTHON:-}" ] && [ "$candidate" = "$PYTHON" ]; then
       command -v "$candidate"
       return 0
     fi
+    local key=$(( ${version% *} * 100 + ${version#* } ))
+    if [ "$key" -gt "$best_key" ]; then
+      best=$(command -v "$candidate")
+      best_key=$key
+    fi
   done
-  echo "distlocks needs Python 3.12 or newer: install it, or set PYTHON=/path/to/python3.12" >&2
+  if [ -n "$best" ]; then
+    echo "$best"
+    return 0
+  fi
+  echo "distlocks needs a Python from $lowest to $highest here: install one (e.g. pyenv install $lowest), or set PYTHON=/path/to/python$lowest" >&2
   return 1
 }
 
-# Create the virtualenv $VENV (default .venv) if needed and pip-install the
-# given requirement arguments into it.
+# True if "MAJOR MINOR" ($1) lies between the dotted versions $2 and $3.
+python_in_range() {
+  local key=$(( ${1% *} * 100 + ${1#* } ))
+  local low=$(( ${2%.*} * 100 + ${2#*.} )) high=$(( ${3%.*} * 100 + ${3#*.} ))
+  [ "$key" -ge "$low" ] && [ "$key" -le "$high" ]
+}
+
+# Create the virtualenv $VENV (default .venv) on a Python between $PYTHON_LOWEST
+# and $PYTHON_HIGHEST (default 3.10 and newer) if it has none, and pip-install
+# the given requirement arguments into it.
 venv_install() {
-  local venv="${VENV:-.venv}"
-  if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then
+  local venv="${VENV:-.venv}" lowest="${PYTHON_LOWEST:-3.10}" highest="${PYTHON_HIGHEST:-3.99}" version
+  version=$("$venv/bin/python" -c 'import sys; print("%d %d" % sys.version_info[:2])' 2>/dev/null) || version="0 0"
+  if ! python_in_range "$version" "$lowest" "$highest"; then
     rm -rf "$venv"
-    "$(find_python)" -m venv "$venv"
+    "$(find_python "$lowest" "$highest")" -m venv "$venv"
     "$venv/bin/python" -m pip install --quiet --upgrade pip
   fi
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "$@"

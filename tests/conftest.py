@@ -19,7 +19,12 @@ from tests.servers import REDIS_PORT, REDLOCK_PORTS, ZK_PORT, RedisServer, ZooKe
 
 ROOT = Path(__file__).resolve().parent.parent
 DB_ALIASES = ["default", "mariadb", "postgresql"]
-ALIASES = [*DB_ALIASES, "redis", "redlock", "zookeeper"]
+# The native database locks (GET_LOCK, advisory locks), on the databases of DB_ALIASES.
+NATIVE_ALIASES = ["mariadb_native", "postgresql_native"]
+ALIASES = [*DB_ALIASES, *NATIVE_ALIASES, "redis", "redlock", "zookeeper", "locmem"]
+# Backends that lock across processes. LocMem keeps its locks in one process's
+# memory: the tests where other processes race or hold do not apply to it.
+PROCESS_ALIASES = [alias for alias in ALIASES if alias != "locmem"]
 # Backends whose locks are leases that run out after ttl (ZooKeeper's end with the session).
 LEASE_ALIASES = [alias for alias in ALIASES if alias != "zookeeper"]
 # Mark modules that use the database: every test runs on its own committed data.
@@ -122,6 +127,20 @@ def workers():
 
 
 @pytest.fixture
+def leave_nothing(alias, name):
+    """Force-release what the test left held under its name (killed workers' locks, a semaphore's permits record).
+
+    Other tests list every held lock of an alias: they must find none of this test's.
+    """
+    yield
+    from distlocks.inspection import force_release, held_locks
+
+    for info in held_locks([alias]).locks:
+        if name in info.name:
+            force_release(alias, info.name)
+
+
+@pytest.fixture
 def lock_factory(alias, name):
     """Make locks on this test's alias and name; release what the test left held."""
     made = []
@@ -194,13 +213,18 @@ def guarded_events(log):
     """The events ``tests.worker guarded`` processes wrote to ``log``, checked for mutual exclusion.
 
     Each "enter" must be followed by the same process's "exit": no two processes inside at once.
+    The tokens of the entries (in the order they were taken) must strictly increase.
     """
     events = [line.split() for line in log.read_text().splitlines()]
     inside = None
-    for event, pid, _ in events:
+    last_token = 0
+    for event, pid, *rest in events:
         if event == "enter":
             assert inside is None, f"{pid} entered while {inside} was inside"
             inside = pid
+            token = int(rest[1])
+            assert token > last_token, f"{pid} entered with token {token} after token {last_token}"
+            last_token = token
         elif event == "exit":
             assert inside == pid
             inside = None

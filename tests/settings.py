@@ -6,7 +6,7 @@ import json
 import os
 
 from demo_shop.settings import *  # noqa: F403
-from demo_shop.settings import BASE_DIR, database
+from demo_shop.settings import BASE_DIR, INSTALLED_APPS, database
 from tests.servers import REDLOCK_PORTS, ZK_PORT, redis_url
 
 # Test databases of this run's own, so that two runs on one machine do not collide.
@@ -54,6 +54,11 @@ DISTLOCKS = {
     "default": {"BACKEND": DB_BACKEND},
     "mariadb": {"BACKEND": DB_BACKEND, "OPTIONS": {"DATABASE": "mariadb"}},
     "postgresql": {"BACKEND": DB_BACKEND, "OPTIONS": {"DATABASE": "postgresql"}},
+    "mariadb_native": {"BACKEND": "distlocks.backends.mysql.MySQLLockBackend", "OPTIONS": {"DATABASE": "mariadb"}},
+    "postgresql_native": {
+        "BACKEND": "distlocks.backends.postgresql.AdvisoryLockBackend",
+        "OPTIONS": {"DATABASE": "postgresql"},
+    },
     "redis": {"BACKEND": "distlocks.backends.redis.RedisBackend", "OPTIONS": {"CACHE": "redis"}},
     "redlock": {
         "BACKEND": "distlocks.backends.redlock.RedlockBackend",
@@ -64,6 +69,7 @@ DISTLOCKS = {
         "LOCATION": f"127.0.0.1:{ZK_PORT}",
         "OPTIONS": {"ROOT": f"/distlocks-tests-{RUN}", "SESSION_TIMEOUT": 4, "CONNECT_TIMEOUT": 5},
     },
+    "locmem": {"BACKEND": "distlocks.backends.locmem.LocMemBackend"},
 }
 
 # The 3-node ensemble of tests/test_zookeeper_ensemble.py, for its worker processes.
@@ -76,3 +82,7 @@ if ENSEMBLE := os.environ.get("DISTLOCKS_TEST_ZK_ENSEMBLE"):
 
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 DEMO_WORK_SECONDS = 0.01
+
+# Worker processes of the metrics tests export metrics (prometheus-client's multiprocess mode).
+if os.environ.get("DISTLOCKS_TEST_METRICS"):
+    INSTALLED_APPS = [*INSTALLED_APPS, "distlocks.metrics"]

@@ -18,7 +18,7 @@ import distlocks
 from distlocks.inspection import held_locks
 from distlocks.models import Lock
 from distlocks.owner import current_owner
-from tests.conftest import DB, Holder
+from tests.conftest import DB, PROCESS_ALIASES, Holder
 
 pytestmark = DB
 
@@ -116,6 +116,7 @@ def test_the_page_is_linked_from_the_app_index_and_the_lock_list(admin_client):
     page = admin_client.get(HELD_URL).content.decode()
     assert '<ol class="breadcrumbs">' in page
     assert 'href="/admin/distlocks/"' in page
+    assert 'id="recent-locking"' not in page  # charts only with distlocks.metrics (tests/test_metrics.py)
 
 
 def test_a_lock_held_elsewhere_is_listed_and_force_released(alias, name, holders, admin_client, admin_user):
@@ -296,3 +297,41 @@ def test_a_backend_that_is_down_is_a_warning_not_an_error(name, holders, admin_c
         assert after.status_code == 200
         assert "“redis_down: x” could not be released:" in after.content.decode()
     assert not LogEntry.objects.exists()
+
+
+@pytest.mark.parametrize("alias", PROCESS_ALIASES, indirect=True)
+def test_semaphore_permits_and_multi_lock_members_are_listed_and_force_released(
+    alias, leave_nothing, name, workers, admin_client
+):
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    holder = workers("hold_permit", alias, name, 1, 30)
+    _, slot, token = holder.line()
+    permit = distlocks.semaphore(name, 1, using=alias).slots[int(slot)].key
+    both = distlocks.multi_lock([f"{name}-b", f"{name}-a"], using=alias)
+    assert both.acquire(wait=5)
+    try:
+        out = StringIO()
+        call_command("distlocks_list", "--using", alias, "--json", stdout=out)
+        shown = {row["name"]: row for row in json.loads(out.getvalue())}
+        assert permit.endswith(f"sem:{name}#{slot}")
+        assert shown[permit]["token"] == int(token)
+        assert shown[permit]["owner"].endswith("task permits=1")
+        assert {member.key for member in both.locks} <= set(shown)
+
+        page = admin_client.get(f"{HELD_URL}?alias={alias}").content.decode()
+        assert escape(f"sem:{name}#{slot}") in page
+        after = release_post(admin_client, alias, permit, int(token), url=f"{HELD_URL}?alias={alias}")
+        assert f"Force-released “{alias}: {permit}”" in after.content.decode()
+        # The permit is free again at once, while its holder still runs.
+        assert workers("take_permit", alias, name, 1, 0).finish()[:2] == ["acquired", slot]
+        assert holder.process.poll() is None
+        release_post(admin_client, alias, both.locks[0].key, both.tokens[f"{name}-a"], url=f"{HELD_URL}?alias={alias}")
+        with pytest.raises(distlocks.LockLost):
+            both.release()
+    finally:
+        while both.hold_count:
+            both.release()
+    assert not listed(alias, both.locks[1].key)

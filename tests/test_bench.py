@@ -39,3 +39,30 @@ def test_benchmark_runs_and_loses_no_update(script, arguments, results, tmp_path
     assert contended, rows
     assert all(row["per_second"] > 0 for row in contended), rows
     assert [row for row in contended if row["lost_updates"]] == [], rows
+
+
+def test_kinds_benchmark_runs(tmp_path):
+    completed = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "kinds.py"),
+            *QUICK[:4],
+            "--out",
+            str(tmp_path),
+            "--url",
+            f"redis://127.0.0.1:{REDIS_PORT}/15",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    rows = json.loads((tmp_path / "kinds.json").read_text())
+    assert [row["lock"] for row in rows] == [
+        "lock",
+        "semaphore (3 permits)",
+        "multi_lock (1 name)",
+        "multi_lock (2 names)",
+    ]
+    assert all(row["median_us"] > 0 for row in rows)

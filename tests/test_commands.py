@@ -48,15 +48,18 @@ def test_cleanup_deletes_only_expired_rows(alias, name):
 
 def test_cleanup_covers_every_alias_by_default():
     lines = cleanup().splitlines()
-    assert lines[:3] == [
+    assert lines[:5] == [
         "default: deleted 0 expired locks",
         "mariadb: deleted 0 expired locks",
         "postgresql: deleted 0 expired locks",
+        "mariadb_native: deleted 0 expired locks",
+        "postgresql_native: deleted 0 expired locks",
     ]
-    assert re.fullmatch(r"redis: deleted \d+ unused fencing counters", lines[3])
-    assert re.fullmatch(r"redlock: deleted \d+ unused fencing counters", lines[4])
-    assert re.fullmatch(r"zookeeper: deleted \d+ empty lock nodes", lines[5])
-    assert len(lines) == 6
+    assert re.fullmatch(r"redis: deleted \d+ unused fencing counters", lines[5])
+    assert re.fullmatch(r"redlock: deleted \d+ unused fencing counters", lines[6])
+    assert re.fullmatch(r"zookeeper: deleted \d+ empty lock nodes", lines[7])
+    assert re.fullmatch(r"locmem: deleted \d+ expired locks", lines[8])
+    assert len(lines) == 9
 
 
 def test_cleanup_of_redis_keeps_tokens_growing(name):
@@ -74,11 +77,15 @@ def test_cleanup_unknown_alias():
         cleanup("--using", "nope")
 
 
-def test_oversell_on_sqlite(tmp_path):
+def test_oversell_on_sqlite(tmp_path, settings):
+    # A wider window between read and write than the suite's default, so that
+    # the unsafe strategies race even when a loaded machine runs the buyers' threads slowly.
+    settings.DEMO_WORK_SECONDS = 0.05
     out = StringIO()
     path = tmp_path / "out.json"
     strategies = (
-        "none,local,atomic_sql,select_for_update,optimistic,lock:default,lock:redis,lock:redlock,lock:zookeeper"
+        "none,local,atomic_sql,select_for_update,optimistic,lock:default,lock:redis,lock:redlock,lock:zookeeper,"
+        "fenced:redis"
     )
     call_command(
         "oversell", "--strategies", strategies, "--stock", "20", "--buyers", "40", "--json", str(path), stdout=out
@@ -89,7 +96,7 @@ def test_oversell_on_sqlite(tmp_path):
     for unsafe in ("none", "local"):
         assert results[unsafe]["oversold"] > 0 or results[unsafe]["lost_updates"] > 0
     safe_ones = ["atomic_sql", "select_for_update", "optimistic", "lock:default", "lock:redis", "lock:redlock"]
-    for safe in [*safe_ones, "lock:zookeeper"]:
+    for safe in [*safe_ones, "lock:zookeeper", "fenced:redis"]:
         row = results[safe]
         assert (row["orders"], row["final_stock"], row["oversold"], row["lost_updates"]) == (20, 0, 0, 0), row
     for row in results.values():
@@ -125,13 +132,30 @@ def test_oversell_on_mariadb_from_the_shell(tmp_path):
         "select_for_update",
         "optimistic",
         "lock:default",
+        "fenced:default",
         "pitfall:default",
     ]
     for unsafe in ("none", "local", "pitfall:default"):
         assert results[unsafe]["oversold"] > 0 or results[unsafe]["lost_updates"] > 0, results[unsafe]
-    for safe in ("atomic_sql", "select_for_update", "optimistic", "lock:default"):
+    for safe in ("atomic_sql", "select_for_update", "optimistic", "lock:default", "fenced:default"):
         row = results[safe]
         assert (row["orders"], row["final_stock"], row["oversold"], row["lost_updates"]) == (20, 0, 0, 0), row
+
+
+def test_buyers_paused_past_their_lease_oversell_unless_the_row_is_fenced(tmp_path):
+    # Every 5th buyer's gunicorn worker is SIGSTOPped between its read and its
+    # write, past its lease: another buyer takes the lock and sells; the paused
+    # one wakes and writes its stale count. Only the fence refuses that write.
+    strategies = "lock:default,lock:redis,fenced:default,fenced:redis"
+    arguments = ["--strategies", strategies, "--pause-every", "5", "--pause", "1.5", "--workers", "3"]
+    results = oversell_on_mariadb(tmp_path, *arguments, DISTLOCKS_REDIS_URL=redis_url())
+    for leased in ("lock:default", "lock:redis"):
+        row = results[leased]
+        assert row["oversold"] > 0 or row["lost_updates"] > 0, row
+    for fenced in ("fenced:default", "fenced:redis"):
+        row = results[fenced]
+        assert (row["oversold"], row["lost_updates"], row["final_stock"]) == (0, 0, 0), row
+        assert row["orders"] == 20, row
 
 
 def test_locked_views_commit_before_releasing_under_atomic_requests(tmp_path):
@@ -164,5 +188,5 @@ def test_oversell_with_redis_and_redlock(tmp_path):
 
 
 def test_oversell_rejects_an_unknown_strategy():
-    with pytest.raises(CommandError, match="unknown strategy lock:nope; choose from: atomic_sql, local, lock:default"):
+    with pytest.raises(CommandError, match="unknown strategy lock:nope; choose from: atomic_sql, fenced:default, "):
         call_command("oversell", "--strategies", "none,lock:nope")

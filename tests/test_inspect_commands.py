@@ -13,7 +13,7 @@ from django.test import override_settings
 
 from distlocks.handler import locks
 
-from .conftest import DB, ROOT, worker_env
+from .conftest import DB, PROCESS_ALIASES, ROOT, worker_env
 
 pytestmark = DB
 
@@ -28,6 +28,7 @@ def listed(alias):
     return {row["name"]: row for row in json.loads(run("distlocks_list", "--using", alias, "--json"))}
 
 
+@pytest.mark.parametrize("alias", PROCESS_ALIASES, indirect=True)
 def test_list_then_release_a_lock_held_by_another_process(alias, name, workers):
     holder = workers("hold", alias, name, 30)
     assert holder.line()[0] == "acquired"

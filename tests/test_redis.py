@@ -6,7 +6,7 @@ import os
 import signal
 import threading
 import time
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 
 import pytest
 from django_redis import get_redis_connection
@@ -466,6 +466,6 @@ def test_inspection_shows_when_a_lock_was_taken_and_handed_over(name):
     _until(lambda: client.zcard(queue) == 1)
     holder.release()
     thread.join(10)
-    now = datetime.now(UTC)
+    now = datetime.now(timezone.utc)
     assert abs((now - taken).total_seconds()) < 5
     assert abs((now - result[0]).total_seconds()) < 5  # the server's clock, for a hand-over

@@ -13,9 +13,17 @@ pytestmark = pytest.mark.django_db
 DB = "distlocks.backends.db.DatabaseBackend"
 
 
-@pytest.mark.parametrize("database", ["mariadb_down", "postgresql_down"])
-def test_unreachable_database(settings, database):
-    settings.DISTLOCKS = {"down": {"BACKEND": DB, "OPTIONS": {"DATABASE": database, "CONNECT_TIMEOUT": 2}}}
+@pytest.mark.parametrize(
+    ("backend", "database"),
+    [
+        (DB, "mariadb_down"),
+        (DB, "postgresql_down"),
+        ("distlocks.backends.mysql.MySQLLockBackend", "mariadb_down"),
+        ("distlocks.backends.postgresql.AdvisoryLockBackend", "postgresql_down"),
+    ],
+)
+def test_unreachable_database(settings, backend, database):
+    settings.DISTLOCKS = {"down": {"BACKEND": backend, "OPTIONS": {"DATABASE": database, "CONNECT_TIMEOUT": 2}}}
     lk = distlocks.lock("x", using="down", wait=None)
     started = time.monotonic()
     with pytest.raises(distlocks.BackendUnavailable, match="for locks on 'down' is unavailable") as info:

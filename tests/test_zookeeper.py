@@ -21,9 +21,8 @@ pytestmark = DB
 
 def expire_session(alias="zookeeper"):
     """Expire this process's ZooKeeper session, as a partition longer than its timeout would."""
-    import os
 
-    client = _sessions[os.getpid(), alias, locks[alias].location].client
+    client = _sessions[alias, locks[alias].location].client
     session_id, password = client.client_id
     twin = KazooClient(hosts=locks[alias].location, client_id=(session_id, password))
     twin.start()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
@@ -59,15 +60,15 @@ def guarded(alias: str, name: str, seconds: str, log: str) -> None:
     deadline = time.monotonic() + float(seconds)
     with open(log, "a") as events:
 
-        def note(event: str) -> None:
-            events.write(f"{event} {os.getpid()} {time.monotonic():.3f}\n")
+        def note(event: str, *more: object) -> None:
+            events.write(" ".join(map(str, [event, os.getpid(), f"{time.monotonic():.3f}", *more])) + "\n")
             events.flush()
 
         while time.monotonic() < deadline:
             try:
                 if not lock.acquire():
                     continue
-                note("enter")
+                note("enter", lock.token)
                 time.sleep(0.005)
                 note("exit")
                 lock.release()
@@ -75,6 +76,73 @@ def guarded(alias: str, name: str, seconds: str, log: str) -> None:
                 note(f"error:{type(exc).__name__}")
                 time.sleep(0.2)
     say("done")
+
+
+def multi(alias: str, names: str, seconds: str, log: str) -> None:
+    """Take the comma-separated ``names`` together (in the order given) in a loop for ``seconds``, logging each.
+
+    Reports how many sets were taken and how many acquires timed out (a
+    deadlock between two such processes would show as timeouts).
+    """
+    lock = distlocks.multi_lock(names.split(","), using=alias, ttl=5, wait=10)
+    deadline = time.monotonic() + float(seconds)
+    taken = timeouts = 0
+    with open(log, "a") as events:
+        while time.monotonic() < deadline:
+            if not lock.acquire():
+                timeouts += 1
+                continue
+            # The last name in sorted order is in every set the test races: its tokens must grow.
+            events.write(f"enter {os.getpid()} {time.monotonic():.6f} {lock.token[-1]}\n")
+            events.flush()
+            time.sleep(0.002)
+            events.write(f"exit {os.getpid()} {time.monotonic():.6f}\n")
+            events.flush()
+            lock.release()
+            taken += 1
+    say("done", taken, timeouts)
+
+
+def permits(alias: str, name: str, permits: str, seconds: str, log: str) -> None:
+    """Take a permit of the semaphore in a loop for ``seconds``, logging each entry and exit with the time."""
+    semaphore = distlocks.semaphore(name, int(permits), using=alias, ttl=5, wait=5)
+    deadline = time.monotonic() + float(seconds)
+    taken = timeouts = 0
+    with open(log, "a") as events:
+        while time.monotonic() < deadline:
+            if not semaphore.acquire():
+                timeouts += 1
+                continue
+            events.write(f"enter {os.getpid()} {time.monotonic():.6f}\n")
+            events.flush()
+            time.sleep(0.005)
+            events.write(f"exit {os.getpid()} {time.monotonic():.6f}\n")
+            events.flush()
+            semaphore.release()
+            taken += 1
+    say("done", taken, timeouts)
+
+
+def hold_permit(alias: str, name: str, permits: str, ttl: str) -> None:
+    """Take a permit and keep it until killed."""
+    semaphore = distlocks.semaphore(name, int(permits), using=alias, ttl=float(ttl), wait=60)
+    semaphore.acquire()
+    say("acquired", semaphore.slot, semaphore.token)
+    time.sleep(3600)
+
+
+def take_permit(alias: str, name: str, permits: str, wait: str) -> None:
+    """Try to take a permit within ``wait`` seconds; report which one, "busy", or "mismatch"."""
+    semaphore = distlocks.semaphore(name, int(permits), using=alias, ttl=30, wait=float(wait))
+    try:
+        if not semaphore.acquire():
+            say("busy")
+            return
+    except ValueError:
+        say("mismatch")
+        return
+    say("acquired", semaphore.slot, semaphore.token)
+    semaphore.release()
 
 
 def fork(alias: str, name: str) -> None:
@@ -106,6 +174,29 @@ def hold(alias: str, name: str, ttl: str) -> None:
     time.sleep(3600)
 
 
+def hold_until_lost(alias: str, name: str, ttl: str) -> None:
+    """Take the lock (renewed), then report when it is found lost and what releasing it raises."""
+    lock = distlocks.lock(name, using=alias, ttl=float(ttl), wait=60)
+    lock.acquire()
+    say("acquired", lock.token)
+    while not lock.lost:
+        time.sleep(0.01)
+    say("lost")
+    try:
+        lock.release()
+        say("released")
+    except distlocks.LockLost:
+        say("LockLost")
+
+
+def take_when(alias: str, name: str, wait: str, go: str) -> None:
+    """Say "ready", then once the file ``go`` exists, ``take`` the lock."""
+    say("ready")
+    while not Path(go).exists():
+        time.sleep(0.005)
+    take(alias, name, wait)
+
+
 def take(alias: str, name: str, wait: str) -> None:
     """Try to take the lock once within ``wait`` seconds and report the token."""
     lock = distlocks.lock(name, using=alias, ttl=30, wait=float(wait))
@@ -116,16 +207,68 @@ def take(alias: str, name: str, wait: str) -> None:
         say("busy")
 
 
+def fenced_holder(alias: str, name: str, database: str, pk: str, ttl: str, renew: str, fenced: str, go: str) -> None:
+    """Take the lock, read the stock row, wait for the file ``go`` (the parent pauses us past the lease
+    meanwhile), then write the decrement: fenced, each of save(fence=) and fenced_update, or with a plain save."""
+    from django.db.models import F
+
+    from demo_shop.shop.models import Stock
+    from distlocks.fencing import fenced_update
+
+    lock = distlocks.lock(name, using=alias, ttl=float(ttl), wait=10, renew=renew == "1")
+    lock.acquire()
+    stock = Stock.objects.using(database).get(pk=pk)
+    say("acquired", lock.token, stock.count)
+    while not Path(go).exists():
+        time.sleep(0.01)
+    stock.count -= 1
+    writes = [lambda: stock.save(fence=lock)]
+    writes.append(lambda: fenced_update(Stock.objects.using(database).filter(pk=pk), lock, count=F("count") - 1))
+    for write in writes if fenced == "1" else [stock.save]:
+        try:
+            write()
+            say("written")
+        except distlocks.StaleToken as exc:
+            say("stale", exc.token, exc.current)
+    try:
+        lock.release()
+        say("released")
+    except distlocks.LockLost:
+        say("lost")
+
+
+def fenced_race(database: str, pks: str, first: str, step: str, rounds: str, start: str) -> None:
+    """Write token t into every row of ``pks`` (count = t too) with fenced_update, for t = first, first + step, ...
+
+    Starts once the file ``start`` exists, so that the racers overlap; says "ok t" or "stale t current".
+    """
+    from demo_shop.shop.models import Stock
+    from distlocks.fencing import fenced_update
+
+    rows = Stock.objects.using(database).filter(pk__in=pks.split(","))
+    while not Path(start).exists():
+        time.sleep(0.005)
+    for token in range(int(first), int(first) + int(step) * int(rounds), int(step)):
+        try:
+            fenced_update(rows, token, count=token)
+            say("ok", token)
+        except distlocks.StaleToken as exc:
+            say("stale", token, exc.current)
+
+
 def queue_and_fork(alias: str, name: str) -> None:
     """Wait for the lock in a thread; once queued, fork a child that lives on (as a pool's worker would)."""
     import threading
     import warnings
 
+    from distlocks.backends.redis import RedisBackend
     from distlocks.handler import locks
 
+    backend = locks[alias]
+    assert isinstance(backend, RedisBackend)
     lock = distlocks.lock(name, using=alias, wait=60)
     threading.Thread(target=lock.acquire, daemon=True).start()
-    client, queue = locks[alias].client, f"distlocks:{{{locks[alias].make_key(name)}}}:queue"
+    client, queue = backend.client, f"distlocks:{{{backend.make_key(name)}}}:queue"
     while not client.zcard(queue):
         time.sleep(0.01)
     with warnings.catch_warnings():
@@ -140,12 +283,20 @@ def queue_and_fork(alias: str, name: str) -> None:
 
 if __name__ == "__main__":
     scenario, *arguments = sys.argv[1:]
-    scenarios = {
+    scenarios: dict[str, Callable[..., None]] = {
         "counter": counter,
+        "fenced_holder": fenced_holder,
+        "fenced_race": fenced_race,
         "fork": fork,
         "guarded": guarded,
+        "hold_permit": hold_permit,
+        "multi": multi,
+        "permits": permits,
         "hold": hold,
+        "hold_until_lost": hold_until_lost,
         "queue_and_fork": queue_and_fork,
         "take": take,
+        "take_when": take_when,
+        "take_permit": take_permit,
     }
     scenarios[scenario](*arguments)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from django.db import models
 
+from distlocks.fencing import FencedModel
 
-class Stock(models.Model):
+
+class Stock(FencedModel):  # fenced: the fenced:<alias> strategy writes with save(fence=held)
     product_id = models.CharField(max_length=20)
     warehouse = models.PositiveIntegerField(default=1)
     count = models.IntegerField(default=0)

@@ -10,9 +10,13 @@ Between reading the stock and writing it back each one "works" for
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from django.conf import settings
 from django.db import transaction
@@ -24,10 +28,35 @@ from demo_shop.shop.models import Order, Stock
 Strategy = Callable[[str], bool]
 
 _local_lock = threading.Lock()
+# Set by the view for a buyer that is to pause (``oversell --pause-every``).
+_pause = threading.local()
+
+
+@contextlib.contextmanager
+def pausing(seconds: float) -> Iterator[None]:
+    """Make this thread's next buy pause its whole process for ``seconds`` between its read and its write."""
+    _pause.seconds = seconds
+    try:
+        yield
+    finally:
+        _pause.seconds = 0.0
 
 
 def _work() -> None:
     time.sleep(settings.DEMO_WORK_SECONDS)
+    seconds = getattr(_pause, "seconds", 0.0)
+    if seconds:
+        _pause.seconds = 0.0
+        _stop_process(seconds)
+
+
+def _stop_process(seconds: float) -> None:
+    """SIGSTOP this process, as a GC pause or a VM migration would, until a helper sends SIGCONT.
+
+    Every thread stops, the lock's watchdog too: nothing renews the lease.
+    """
+    subprocess.Popen(["sh", "-c", f"sleep {seconds:.3f}; kill -CONT {os.getpid()}"])
+    os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def _read_check_write(product_id: str, strategy: str) -> bool:
@@ -116,6 +145,20 @@ def locked(product_id: str, alias: str) -> bool:
     """The body of the ``lock:<alias>`` view, which ``distributed_lock`` wraps."""
     with transaction.atomic():
         return _read_check_write(product_id, f"lock:{alias}")
+
+
+def fenced(product_id: str, alias: str) -> bool:
+    """The lock, and the row checks its token: a holder that paused past its lease
+    cannot write when it wakes (it gets StaleToken), which no lease alone can promise."""
+    with distlocks.lock(f"stock:{product_id}", using=alias, wait=60) as held, transaction.atomic():
+        stock = Stock.objects.get(product_id=product_id, warehouse=1)
+        if stock.count < 1:
+            return False
+        _work()
+        stock.count -= 1
+        stock.save(update_fields=["count"], fence=held)
+        Order.objects.create(product_id=product_id, strategy=f"fenced:{alias}")
+        return True
 
 
 PLAIN: dict[str, Strategy] = {

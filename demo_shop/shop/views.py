@@ -10,11 +10,20 @@ from django.views.decorators.http import require_POST
 
 from demo_shop.shop import strategies
 from distlocks.decorators import distributed_lock
+from distlocks.exceptions import LockLost
 from distlocks.handler import locks
 
 
 def _answer(sold: bool) -> JsonResponse:
     return JsonResponse({"sold": sold}, status=200 if sold else 409)
+
+
+def _pause_of(request: HttpRequest) -> float:
+    """Seconds this buyer is to pause between read and write (``oversell --pause-every``), or 0."""
+    try:
+        return max(0.0, float(request.headers.get("X-Demo-Pause", 0)))
+    except ValueError:
+        return 0.0
 
 
 def locked_buy_view(alias: str) -> Callable[..., HttpResponse]:
@@ -25,7 +34,8 @@ def locked_buy_view(alias: str) -> Callable[..., HttpResponse]:
     @require_POST
     @distributed_lock("stock:{product_id}", using=alias, wait=60)
     def buy_locked(request: HttpRequest, product_id: str) -> HttpResponse:
-        return _answer(strategies.locked(product_id, alias))
+        with strategies.pausing(_pause_of(request)):
+            return _answer(strategies.locked(product_id, alias))
 
     return buy_locked
 
@@ -41,6 +51,12 @@ def buy(request: HttpRequest, strategy: str, product_id: str) -> HttpResponse:
         raise Http404(f"unknown strategy {strategy!r}")
     if kind == "pitfall":
         return _answer(strategies.pitfall(product_id, alias))
+    if kind == "fenced":
+        try:
+            with strategies.pausing(_pause_of(request)):
+                return _answer(strategies.fenced(product_id, alias))
+        except LockLost:  # it paused past its lease: the fence refused its write (StaleToken)
+            return JsonResponse({"sold": False, "lost": True}, status=409)
     raise Http404(f"unknown strategy {strategy!r}")
 
 

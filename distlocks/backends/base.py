@@ -7,7 +7,7 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from typing import Any
 
 from django.core.checks import CheckMessage
@@ -50,7 +50,7 @@ class LockInfo:
         """Seconds until the lease runs out (None: the backend has no lease, like ZooKeeper)."""
         if self.expires_at is None:
             return None
-        return max(0.0, (self.expires_at - (now or datetime.now(UTC))).total_seconds())
+        return max(0.0, (self.expires_at - (now or datetime.now(timezone.utc))).total_seconds())
 
     def as_dict(self, now: datetime | None = None) -> dict[str, Any]:
         """The fields as JSON-ready values, with ``lease_left`` in seconds."""
@@ -176,6 +176,15 @@ class BaseLockBackend:
         process. A lease backend's hold runs out by itself: nothing to do.
         """
         return False
+
+    def record(self, key: str, value: str) -> str:
+        """Store ``value`` under ``key`` unless a value is stored there already; return the stored one.
+
+        Session-bound backends provide it (for a semaphore's permits count):
+        their holds cannot be shared by owners in several processes, so such a
+        value cannot be kept as a lease that every user renews.
+        """
+        raise NotImplementedError("subclasses of BaseLockBackend may provide a record() method")
 
     def force_release(self, key: str, token: int | None = None) -> bool:
         """Free a lock whoever holds it; return False if it was not held.

@@ -396,8 +396,13 @@ class RedlockBackend(BaseLockBackend):
         Each node compares and deletes in one script. The nodes of the
         acquisition ``held()`` showed agree on its token, so they are all freed;
         a node held by another acquisition (a newer holder) is left alone.
+        With ``token``, True means that acquisition was still held: freed on a
+        majority. A node where its holder's release has not landed yet is
+        cleaned up too, but an acquisition released on a majority was not held.
         """
-        return any(answer is True for answer in self._ask(lambda node: node.force_release(key, token), INSPECT_SECONDS))
+        answers = self._ask(lambda node: node.force_release(key, token), INSPECT_SECONDS)
+        freed = sum(answer is True for answer in answers)
+        return freed >= self.quorum if token is not None else freed > 0
 
     def clear_expired(self, dry_run: bool = False) -> int:
         answers = self._ask(lambda node: node.clear_expired(dry_run), INSPECT_SECONDS)

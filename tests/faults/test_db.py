@@ -7,7 +7,7 @@ import gc
 import os
 import threading
 import time
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta, timezone
 
 import pytest
 from django.conf import settings
@@ -18,7 +18,7 @@ import distlocks
 from distlocks.backends.db import close_connections
 from distlocks.handler import locks
 from distlocks.owner import current_owner
-from tests.conftest import DB, DB_ALIASES, Holder
+from tests.conftest import DB, DB_ALIASES, NATIVE_ALIASES, Holder
 from tests.faults.conftest import FreezableProxy
 from tests.test_lock import in_thread
 
@@ -88,10 +88,10 @@ def test_lease_is_utc_and_lasts_ttl_when_session_time_zone_changes(alias, name):
     connection = lock_connection(alias)
     set_time_zone(connection, "+05:00")
     lk = distlocks.lock(name, using=alias, ttl=2, renew=False)
-    before = datetime.now(UTC)
+    before = datetime.now(timezone.utc)
     assert lk.acquire(wait=0)
     row = held_row(alias, lk.key)
-    assert before - timedelta(seconds=5) < row.acquired_at < datetime.now(UTC) + timedelta(seconds=5)
+    assert before - timedelta(seconds=5) < row.acquired_at < datetime.now(timezone.utc) + timedelta(seconds=5)
     assert (row.expires_at - row.acquired_at).total_seconds() == pytest.approx(2, abs=0.1)
 
     # A DST jump forward (+5 h) between acquire and renewal: the lease is still ours...
@@ -270,7 +270,7 @@ def test_extend_raises_within_timeout_when_server_hangs(alias, name):
 # -- 19: names compare byte for byte ---------------------------------------------
 
 
-@pytest.mark.parametrize("alias", DB_ALIASES, indirect=True)
+@pytest.mark.parametrize("alias", DB_ALIASES + NATIVE_ALIASES, indirect=True)
 @pytest.mark.parametrize("pair", [("Stock", "stock"), ("a", "a "), ("café", "cafe")])
 def test_names_are_distinct_locks_when_they_differ_only_in_case_trailing_space_or_accent(alias, name, pair):
     first, second = (f"{name}:{suffix}" for suffix in pair)
@@ -288,7 +288,7 @@ def test_names_are_distinct_locks_when_they_differ_only_in_case_trailing_space_o
 # -- 22: a NUL in a name is refused at once --------------------------------------
 
 
-@pytest.mark.parametrize("alias", DB_ALIASES, indirect=True)
+@pytest.mark.parametrize("alias", DB_ALIASES + NATIVE_ALIASES, indirect=True)
 def test_value_error_names_the_argument_when_name_contains_nul(alias):
     with pytest.raises(ValueError, match=r"^name must not contain"):
         distlocks.lock("stock\x0042", using=alias)
@@ -297,7 +297,7 @@ def test_value_error_names_the_argument_when_name_contains_nul(alias):
 # -- 20: force-release compares the token and deletes in one statement -----------
 
 
-@pytest.mark.parametrize("alias", DB_ALIASES, indirect=True)
+@pytest.mark.parametrize("alias", DB_ALIASES + NATIVE_ALIASES, indirect=True)
 def test_new_holder_keeps_the_lock_when_force_release_has_a_stale_token(alias, name):
     first = distlocks.lock(name, using=alias, renew=False)
     assert first.acquire(wait=0)

@@ -231,5 +231,8 @@ def test_contending_processes_never_overlap_nor_lose_a_lock(name, workers, tmp_p
     for worker in running:
         assert worker.finish(timeout=120) == ["done"]
     events = guarded_events(log)
-    assert [event for event, *_ in events if event.startswith("error")] == []
+    # A node slower than the attempt's deadline (a loaded machine) may make an
+    # attempt BackendUnavailable: bounded, and no harm. A lost lock is the bug.
+    errors = [event for event, *_ in events if event.startswith("error")]
+    assert [error for error in errors if error != "error:BackendUnavailable"] == []
     assert sum(event == "enter" for event, *_ in events) > 20

@@ -34,7 +34,7 @@ parent's lock connections.
 
 from __future__ import annotations
 
-from distlocks.backends.db.backend import DEFAULT_TIMEOUT, DatabaseBackend
-from distlocks.backends.db.connections import close_connections
+from distlocks.backends.db.backend import DatabaseBackend
+from distlocks.backends.db.connections import DEFAULT_TIMEOUT, close_connections
 
 __all__ = ["DEFAULT_TIMEOUT", "DatabaseBackend", "close_connections"]

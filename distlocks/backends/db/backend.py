@@ -3,23 +3,30 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import random
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from django.core import checks
-from django.core.exceptions import ImproperlyConfigured
-from django.db import DEFAULT_DB_ALIAS, DatabaseError, IntegrityError, OperationalError, connections
+from django.db import DatabaseError, IntegrityError, OperationalError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import QuerySet
 from django.db.models.expressions import RawSQL
 from django.db.utils import InterfaceError
-from django.utils.connection import ConnectionDoesNotExist
 
-from distlocks.backends.base import BaseLockBackend, LockInfo, check_positive_number
-from distlocks.backends.db.connections import close_if_dropped, in_memory, open_like, track
+from distlocks.backends.base import BaseLockBackend, LockInfo
+from distlocks.backends.db.connections import (
+    close_if_dropped,
+    connection_options,
+    database_of,
+    in_memory,
+    is_busy,
+    missing_database,
+    open_like,
+    track,
+    tracked,
+)
 from distlocks.backends.db.statements import execute, sql_for
 from distlocks.exceptions import BackendUnavailable
 from distlocks.owner import Owner
@@ -29,15 +36,6 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-# Errors that mean "someone else was busy with this row": the attempt counts as
-# failed and is retried, never shown to the caller (MySQL deadlock 1213,
-# PostgreSQL deadlock / serialization failure, SQLite's busy database).
-_MYSQL_BUSY = {1213}
-_POSTGRES_BUSY = {"40001", "40P01"}
-_SQLITE_BUSY = ("database is locked", "database table is locked")
-# Errors that mean a statement waited ``TIMEOUT`` seconds for a lock or ran that
-# long (MySQL lock wait timeout 1205, PostgreSQL lock_timeout 55P03 and
-# statement_timeout 57014): not retried, the time is up.
 _MYSQL_TIMED_OUT = {1205}
 _POSTGRES_TIMED_OUT = {"55P03", "57014"}
 # Waiters poll from 1 ms, doubling up to 20 ms between reads.
@@ -46,7 +44,6 @@ _POLL_MAX = 0.02
 # How often a busy write statement is retried before the attempt counts as failed.
 _BUSY_RETRIES = 5
 # OPTIONS['TIMEOUT'] by default: seconds a lock statement may wait or run.
-DEFAULT_TIMEOUT = 5.0
 
 
 class _Raise:
@@ -54,16 +51,6 @@ class _Raise:
 
 
 RAISE = _Raise()
-
-
-def _is_busy(exc: Exception | None) -> bool:
-    if exc is None:
-        return False
-    if getattr(exc.__cause__, "sqlstate", None) in _POSTGRES_BUSY:
-        return True
-    if exc.args and exc.args[0] in _MYSQL_BUSY:
-        return True
-    return any(text in str(exc) for text in _SQLITE_BUSY)
 
 
 def _timed_out(exc: Exception | None) -> bool:
@@ -81,14 +68,9 @@ class DatabaseBackend(BaseLockBackend):
 
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         super().__init__(alias, params)
-        self.database: str = self.options.get("DATABASE", DEFAULT_DB_ALIAS)
-        self.connect_timeout = self.options.get("CONNECT_TIMEOUT", 5)
-        try:
-            self.timeout = check_positive_number(self.options.get("TIMEOUT", DEFAULT_TIMEOUT), "OPTIONS['TIMEOUT']")
-        except ValueError as exc:
-            raise ImproperlyConfigured(f"DISTLOCKS[{alias!r}]: {exc}") from exc
+        self.database, self.connect_timeout, self.timeout = connection_options(alias, self.options)
         self._connection_alias = f"distlocks:{alias}"
-        self._pid = 0
+        self._connection: BaseDatabaseWrapper | None = None
 
     def make_key(self, name: str) -> str:
         """Return the key of ``name``; raise ValueError if a database cannot store it.
@@ -113,19 +95,13 @@ class DatabaseBackend(BaseLockBackend):
         connection would wait for the caller's own write lock); nobody else can
         write until it ends, and its rollback drops the lock.
         """
-        try:
-            base = connections[self.database]
-        except ConnectionDoesNotExist as exc:
-            raise ImproperlyConfigured(
-                f"DISTLOCKS[{self.alias!r}]['OPTIONS']['DATABASE'] names {self.database!r}, which is not in DATABASES"
-            ) from exc
+        base = database_of(self.alias, self.database)
         if base.vendor == "sqlite" and (base.in_atomic_block or in_memory(base)):
             return self.database
-        if self._pid != os.getpid():
-            connection = open_like(base, self._connection_alias, self.connect_timeout, self.timeout)
-            track(connection)
-            connections[self._connection_alias] = connection
-            self._pid = os.getpid()
+        if not tracked(self._connection):  # first use, or this process is a fork of the one that opened it
+            self._connection = open_like(base, self._connection_alias, self.connect_timeout, self.timeout)
+            track(self._connection)
+            connections[self._connection_alias] = self._connection
         return self._connection_alias
 
     def _run(self, operation: Callable[[BaseDatabaseWrapper], T], *, when_busy: T | _Raise = RAISE) -> T:
@@ -147,7 +123,7 @@ class DatabaseBackend(BaseLockBackend):
                 return operation(connection)
             except (OperationalError, InterfaceError) as exc:
                 error = exc
-                if _is_busy(exc):
+                if is_busy(exc):
                     continue
                 if "no such table" in str(exc):
                     raise
@@ -155,7 +131,7 @@ class DatabaseBackend(BaseLockBackend):
                     with contextlib.suppress(DatabaseError):
                         connection.close()
                 break
-        if (_is_busy(error) or _timed_out(error)) and not isinstance(when_busy, _Raise):
+        if (is_busy(error) or _timed_out(error)) and not isinstance(when_busy, _Raise):
             return when_busy
         raise BackendUnavailable(
             f"Database {self.database!r} for locks on {self.alias!r} is unavailable: {error}", alias=self.alias
@@ -250,16 +226,22 @@ class DatabaseBackend(BaseLockBackend):
 
     def held(self) -> Iterator[LockInfo]:
         rows: list[Lock] = self._run(lambda connection: list(self._live(connection, True)))
-        for row in rows:
-            yield LockInfo(
-                alias=self.alias,
-                name=row.lock_name,
-                owner=row.owner,
-                hold_count=row.hold_count,
-                token=row.pk,
-                acquired_at=row.acquired_at,
-                expires_at=row.expires_at,
-            )
+        return map(self._info, rows)
+
+    def holder(self, key: str) -> LockInfo | None:
+        rows: list[Lock] = self._run(lambda connection: list(self._live(connection, True).filter(lock_name=key)))
+        return self._info(rows[0]) if rows else None
+
+    def _info(self, row: Lock) -> LockInfo:
+        return LockInfo(
+            alias=self.alias,
+            name=row.lock_name,
+            owner=row.owner,
+            hold_count=row.hold_count,
+            token=row.pk,
+            acquired_at=row.acquired_at,
+            expires_at=row.expires_at,
+        )
 
     def force_release(self, key: str, token: int | None = None) -> bool:
         def attempt(connection: BaseDatabaseWrapper) -> bool:
@@ -292,13 +274,7 @@ class DatabaseBackend(BaseLockBackend):
 
     def check(self) -> list[checks.CheckMessage]:
         if self.database not in connections:
-            return [
-                checks.Error(
-                    f"DISTLOCKS[{self.alias!r}] uses database {self.database!r}, which is not in DATABASES.",
-                    hint=f"Set OPTIONS['DATABASE'] to one of: {', '.join(connections)}.",
-                    id="distlocks.E003",
-                )
-            ]
+            return [missing_database(self.alias, self.database)]
         base = connections[self.database]
         if in_memory(base):
             return [

@@ -12,9 +12,17 @@ import socket
 import threading
 from typing import Any
 
-from django.db import DatabaseError
+from django.core import checks
+from django.core.exceptions import ImproperlyConfigured
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.signals import connection_created
+from django.utils.connection import ConnectionDoesNotExist
+
+from distlocks.backends.base import check_positive_number
+
+#: How long a lock statement may run by default (``OPTIONS['TIMEOUT']``), in seconds.
+DEFAULT_TIMEOUT = 5.0
 
 # Where a lock connection's settings carry its TIMEOUT, for ``_bound_lock_waits``.
 _TIMEOUT_KEY = "DISTLOCKS_TIMEOUT"
@@ -22,17 +30,73 @@ _TIMEOUT_KEY = "DISTLOCKS_TIMEOUT"
 
 # Every lock connection of this process with the thread it serves: a thread that
 # ended without closing its connection has it closed when the next one is opened.
-_opened: list[tuple[threading.Thread, BaseDatabaseWrapper]] = []
+_opened: dict[BaseDatabaseWrapper, threading.Thread] = {}
 _opened_lock = threading.Lock()
+
+
+# Errors that mean "someone else was busy with this row": the attempt counts as
+# failed and is retried, never shown to the caller (MySQL deadlock 1213,
+# PostgreSQL deadlock / serialization failure, SQLite's busy database).
+_MYSQL_BUSY = {1213}
+_POSTGRES_BUSY = {"40001", "40P01"}
+_SQLITE_BUSY = ("database is locked", "database table is locked")
+# Errors that mean a statement waited ``TIMEOUT`` seconds for a lock or ran that
+# long (MySQL lock wait timeout 1205, PostgreSQL lock_timeout 55P03 and
+# statement_timeout 57014): not retried, the time is up.
+
+
+def is_busy(exc: Exception | None) -> bool:
+    """True if ``exc`` means another session was busy with the same rows (a deadlock): try again."""
+    if exc is None:
+        return False
+    if getattr(exc.__cause__, "sqlstate", None) in _POSTGRES_BUSY:
+        return True
+    if exc.args and exc.args[0] in _MYSQL_BUSY:
+        return True
+    return any(text in str(exc) for text in _SQLITE_BUSY)
+
+
+def database_of(alias: str, database: str) -> BaseDatabaseWrapper:
+    """The Django connection a lock backend's ``OPTIONS['DATABASE']`` names; ImproperlyConfigured if none."""
+    try:
+        return connections[database]
+    except ConnectionDoesNotExist as exc:
+        raise ImproperlyConfigured(
+            f"DISTLOCKS[{alias!r}]['OPTIONS']['DATABASE'] names {database!r}, which is not in DATABASES"
+        ) from exc
+
+
+def missing_database(alias: str, database: str) -> checks.CheckMessage:
+    """The system check error for a lock backend whose ``OPTIONS['DATABASE']`` is not in ``DATABASES``."""
+    return checks.Error(
+        f"DISTLOCKS[{alias!r}] uses database {database!r}, which is not in DATABASES.",
+        hint=f"Set OPTIONS['DATABASE'] to one of: {', '.join(connections)}.",
+        id="distlocks.E003",
+    )
+
+
+def connection_options(alias: str, options: dict[str, Any]) -> tuple[str, float, float]:
+    """A database lock backend's ``OPTIONS``: (DATABASE, CONNECT_TIMEOUT, TIMEOUT), checked."""
+    try:
+        timeout = check_positive_number(options.get("TIMEOUT", DEFAULT_TIMEOUT), "OPTIONS['TIMEOUT']")
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"DISTLOCKS[{alias!r}]: {exc}") from exc
+    return options.get("DATABASE", DEFAULT_DB_ALIAS), options.get("CONNECT_TIMEOUT", 5), timeout
 
 
 def track(connection: BaseDatabaseWrapper) -> None:
     connection.inc_thread_sharing()  # so that another thread may close it
     with _opened_lock:
-        for thread, stale in [entry for entry in _opened if not entry[0].is_alive()]:
-            stale.close()
-            _opened.remove((thread, stale))
-        _opened.append((threading.current_thread(), connection))
+        for stale, thread in list(_opened.items()):
+            if not thread.is_alive():
+                stale.close()
+                del _opened[stale]
+        _opened[connection] = threading.current_thread()
+
+
+def tracked(connection: BaseDatabaseWrapper | None) -> bool:
+    """True if ``connection`` is a lock connection of this process (after a fork, the parent's are not)."""
+    return connection in _opened
 
 
 def _forget_parents_connections() -> None:
@@ -44,8 +108,8 @@ def _forget_parents_connections() -> None:
     happens to these connections here reaches nobody.
     """
     global _opened, _opened_lock
-    inherited, _opened, _opened_lock = _opened, [], threading.Lock()
-    for _, connection in inherited:
+    inherited, _opened, _opened_lock = _opened, {}, threading.Lock()
+    for connection in inherited:
         raw = connection.connection
         if raw is None:
             continue
@@ -63,7 +127,7 @@ os.register_at_fork(after_in_child=_forget_parents_connections)
 def close_connections() -> None:
     """Close every lock connection of this process (each reopens when next used)."""
     with _opened_lock:
-        for _, connection in _opened:
+        for connection in _opened:
             connection.close()
 
 

@@ -7,7 +7,7 @@ import logging
 import math
 import time
 from collections.abc import Iterator, Sequence
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from django.core import checks
@@ -212,27 +212,34 @@ class RedisBackend(BaseLockBackend):
             yield from self._held()
 
     def _held(self) -> Iterator[LockInfo]:
-        client = self.client
-        for raw in client.scan_iter(match="distlocks:{*}", count=500):
-            name = raw.decode() if isinstance(raw, bytes) else raw
-            pipe = client.pipeline(transaction=False)
-            pipe.hgetall(name)
-            pipe.pttl(name)
-            fields, lease_ms = pipe.execute()
-            if not fields or lease_ms < 0:
-                continue
-            fields = {k.decode(): v.decode() for k, v in fields.items()}
-            acquired, _, owner = fields.get("info", "").partition(" ")
-            now = datetime.now(UTC)
-            yield LockInfo(
-                alias=self.alias,
-                name=key_of(name),
-                owner=owner,
-                hold_count=int(fields.get("count", 0)),
-                token=int(fields["token"]) if "token" in fields else None,
-                acquired_at=datetime.fromtimestamp(int(acquired), UTC) if acquired.isdigit() else None,
-                expires_at=now + timedelta(milliseconds=lease_ms),
-            )
+        for raw in self.client.scan_iter(match="distlocks:{*}", count=500):
+            info = self._info(raw.decode() if isinstance(raw, bytes) else raw)
+            if info is not None:
+                yield info
+
+    def holder(self, key: str) -> LockInfo | None:
+        with self._reaching():
+            return self._info(lock_hash(key))
+
+    def _info(self, name: str) -> LockInfo | None:
+        """The lock whose hash is ``name``, if it is held (one round trip)."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hgetall(name)
+        pipe.pttl(name)
+        fields, lease_ms = pipe.execute()
+        if not fields or lease_ms < 0:
+            return None
+        fields = {k.decode(): v.decode() for k, v in fields.items()}
+        acquired, _, owner = fields.get("info", "").partition(" ")
+        return LockInfo(
+            alias=self.alias,
+            name=key_of(name),
+            owner=owner,
+            hold_count=int(fields.get("count", 0)),
+            token=int(fields["token"]) if "token" in fields else None,
+            acquired_at=datetime.fromtimestamp(int(acquired), timezone.utc) if acquired.isdigit() else None,
+            expires_at=datetime.now(timezone.utc) + timedelta(milliseconds=lease_ms),
+        )
 
     def force_release(self, key: str, token: int | None = None) -> bool:
         return bool(self._call("force_release", self._keys(key), ["" if token is None else token]))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from typing import Any
 
 from django.core import checks
@@ -264,6 +264,26 @@ class ZooKeeperBackend(BaseLockBackend):
         self.drop(key, owner)
         return False
 
+    def record(self, key: str, value: str) -> str:
+        """Keep ``value`` as the data of the persistent node of ``key`` (``distlocks_cleanup`` deletes it)."""
+        from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
+
+        node = self._parent(key)
+        while True:
+            try:
+                self._request("create", node, value.encode(), acl=self._session().acl, makepath=True)
+                return value
+            except NodeExistsError:
+                pass
+            try:
+                data, stat = self._request("get", node)
+                if data:
+                    return str(data.decode(errors="replace"))
+                self._request("set", node, value.encode(), version=stat.version)
+                return value
+            except (NoNodeError, BadVersionError):
+                continue  # deleted or written meanwhile: look again
+
     # -- inspection and maintenance ----------------------------------------------
 
     def _locks(self) -> list[str]:
@@ -293,7 +313,7 @@ class ZooKeeperBackend(BaseLockBackend):
                 owner=holder,
                 hold_count=int(count) if count.isdigit() else 1,
                 token=int(stat.czxid),
-                acquired_at=datetime.fromtimestamp(stat.ctime / 1000, UTC),
+                acquired_at=datetime.fromtimestamp(stat.ctime / 1000, timezone.utc),
                 waiters=len(children) - 1,
             )
 

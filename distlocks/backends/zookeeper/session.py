@@ -202,8 +202,18 @@ def _delete_late(client: Any, done: Any) -> None:
 
 
 # One session per process, alias and ensemble (settings may change under tests).
-_sessions: dict[tuple[int, str, str], Session] = {}
+_sessions: dict[tuple[str, str], Session] = {}
 _sessions_lock = threading.Lock()
+
+
+def _forget_sessions_after_fork() -> None:
+    """A forked child starts sessions of its own: the parent's belong to the parent (and to its threads)."""
+    global _sessions_lock
+    _sessions.clear()
+    _sessions_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_sessions_after_fork)
 
 
 def shared_session(
@@ -216,7 +226,7 @@ def shared_session(
     acl: list[Any] | None,
 ) -> Session:
     """This process's session for ``alias`` on ``location``, created and started at the first call."""
-    index = (os.getpid(), alias, location)
+    index = (alias, location)
     with _sessions_lock:
         session = _sessions.get(index)
         if session is None:

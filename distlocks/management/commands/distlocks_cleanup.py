@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from distlocks.exceptions import LockError
 from distlocks.handler import locks
+from distlocks.inspection import clear_expired
 
 
 class Command(BaseCommand):
@@ -21,14 +23,12 @@ class Command(BaseCommand):
         verb = "would delete" if dry_run else "deleted"
         for alias in using or list(locks):
             try:
-                backend = locks[alias]
-            except Exception as exc:
+                count, noun = clear_expired(alias, dry_run=dry_run)
+            except ImproperlyConfigured as exc:
                 raise CommandError(str(exc)) from exc
-            try:
-                count = backend.clear_expired(dry_run=dry_run)
             except NotImplementedError:
                 self.stdout.write(f"{alias}: nothing to clean up (the backend keeps no expired state)")
                 continue
             except LockError as exc:
                 raise CommandError(f"{alias}: {exc}") from exc
-            self.stdout.write(f"{alias}: {verb} {count} {backend.cleanup_noun}")
+            self.stdout.write(f"{alias}: {verb} {count} {noun}")

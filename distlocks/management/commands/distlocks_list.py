@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
@@ -34,7 +34,7 @@ class Command(BaseCommand):
             found = held_locks(using)
         except ImproperlyConfigured as exc:
             raise CommandError(str(exc)) from exc
-        now = datetime.now(UTC)
+        now = datetime.now(timezone.utc)
         rows = [info.as_dict(now) for info in found.locks]
         if as_json:
             self.stdout.write(json.dumps(rows, indent=2))

@@ -8,8 +8,8 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from distlocks.exceptions import LockError
-from distlocks.handler import DEFAULT_ALIAS, locks
-from distlocks.inspection import force_release
+from distlocks.handler import DEFAULT_ALIAS
+from distlocks.inspection import force_release, holder
 
 
 class Command(BaseCommand):
@@ -53,7 +53,7 @@ class Command(BaseCommand):
     def _holder(self, using: str, name: str) -> tuple[int | None, str]:
         """The current acquisition's token and a description of its holder."""
         try:
-            info = locks[using].holder(name)
+            info = holder(using, name)
         except NotImplementedError:
             return None, "whoever holds it"
         if info is None:

@@ -31,7 +31,7 @@ PRODUCT = "P-1001"
 
 def default_strategies() -> list[str]:
     """Every strategy the configuration allows; the pitfall where it can show."""
-    names = [*PLAIN, *(f"lock:{alias}" for alias in locks)]
+    names = [*PLAIN, *(f"lock:{alias}" for alias in locks), f"fenced:{next(iter(locks))}"]
     if connection.vendor != "sqlite":  # SQLite serializes transactions itself
         names.append(f"pitfall:{next(iter(locks))}")
     return names
@@ -46,9 +46,11 @@ def free_port() -> int:
 class Cluster:
     """The demo under gunicorn with several worker processes, on a loopback port."""
 
-    def __init__(self, workers: int) -> None:
+    def __init__(self, workers: int, lock_ttl: float | None = None) -> None:
         self.port = free_port()
         env = {**os.environ, "DJANGO_SETTINGS_MODULE": os.environ.get("DJANGO_SETTINGS_MODULE", "demo_shop.settings")}
+        if lock_ttl is not None:
+            env["DEMO_LOCK_TTL"] = str(lock_ttl)
         # Serve the database this process uses (a test database, say).
         env["DISTLOCKS_DB_NAME"] = str(connection.settings_dict["NAME"])
         command = [sys.executable, "-m", "gunicorn", "demo_shop.wsgi:application"]
@@ -68,8 +70,9 @@ class Cluster:
                     raise CommandError("gunicorn did not answer within 60s") from None
                 time.sleep(0.1)
 
-    def buy(self, strategy: str, product_id: str) -> int:
-        request = urllib.request.Request(f"{self.url}/buy/{strategy}/{product_id}/", method="POST")
+    def buy(self, strategy: str, product_id: str, pause: float = 0.0) -> int:
+        headers = {"X-Demo-Pause": str(pause)} if pause else {}
+        request = urllib.request.Request(f"{self.url}/buy/{strategy}/{product_id}/", method="POST", headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=120) as response:
                 return int(response.status)
@@ -95,14 +98,31 @@ class Command(BaseCommand):
         parser.add_argument("--concurrency", type=int, default=16, help="Requests in flight (default 16).")
         parser.add_argument("--workers", type=int, default=4, help="gunicorn worker processes (default 4).")
         parser.add_argument("--json", dest="json_path", help="Also write the results as JSON to this path.")
+        parser.add_argument(
+            "--pause-every",
+            type=int,
+            default=0,
+            help="Fault mode: every Nth buyer's server process stops (SIGSTOP) between its read and its write "
+            "for --pause seconds, past its lock's lease (default 0: no pauses).",
+        )
+        parser.add_argument(
+            "--pause", type=float, default=2.0, help="Seconds a paused buyer stays stopped (default 2)."
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         for option in ("stock", "buyers", "concurrency", "workers"):
             if options[option] < 1:
                 raise CommandError(f"--{option} must be at least 1")
+        if options["pause_every"] < 0:
+            raise CommandError("--pause-every must be 0 (no pauses) or more")
+        if not 0 < options["pause"] <= 60:
+            raise CommandError("--pause must be more than 0 and at most 60 seconds")
+        if options["pause_every"] and options["workers"] < 2:
+            raise CommandError("--pause-every needs --workers 2 or more: a stopped worker serves nobody")
         strategies = self._strategies(options["strategies"])
         console = Console(file=cast(IO[str], self.stdout), force_terminal=False, width=120)
-        cluster = Cluster(options["workers"])
+        # The leases run out during a pause (renewed every third of it while the process runs).
+        cluster = Cluster(options["workers"], lock_ttl=options["pause"] / 4 if options["pause_every"] else None)
         results = []
         try:
             with Progress(
@@ -126,7 +146,7 @@ class Command(BaseCommand):
         if not spec:
             return default_strategies()
         names = [name.strip() for name in spec.split(",") if name.strip()]
-        valid = {*PLAIN, *(f"{kind}:{alias}" for kind in ("lock", "pitfall") for alias in locks)}
+        valid = {*PLAIN, *(f"{kind}:{alias}" for kind in ("lock", "fenced", "pitfall") for alias in locks)}
         unknown = [name for name in names if name not in valid]
         if unknown or not names:
             raise CommandError(
@@ -136,12 +156,16 @@ class Command(BaseCommand):
 
     def _run(self, cluster: Cluster, strategy: str, options: dict[str, Any], advance: Any) -> dict[str, Any]:
         initial = options["stock"]
-        Stock.objects.update_or_create(product_id=PRODUCT, warehouse=1, defaults={"count": initial, "version": 0})
+        Stock.objects.update_or_create(
+            product_id=PRODUCT, warehouse=1, defaults={"count": initial, "version": 0, "fence_token": 0}
+        )
         Order.objects.filter(product_id=PRODUCT).delete()
         Lock.objects.all().delete()
 
-        def one(_: int) -> int:
-            status = cluster.buy(strategy, PRODUCT)
+        def one(number: int) -> int:
+            every = options["pause_every"]
+            pause = options["pause"] if every and number % every == every - 1 else 0.0
+            status = cluster.buy(strategy, PRODUCT, pause)
             advance()
             return status
 

@@ -1,0 +1,412 @@
+"""What the native database backends (MySQL ``GET_LOCK``, PostgreSQL advisory locks) share.
+
+The server's own lock gives mutual exclusion and a first-come, first-served
+queue: a waiter blocks inside the server and is woken the moment the lock is
+free, with no polling. What the server's lock lacks, a row of
+``distlocks_native_lease`` adds, written in the same statement that takes the
+lock: the fencing token (the row's auto-increment id, new at every
+acquisition), the lease (its expiry, on the server's clock) and who holds it
+from which server session.
+
+Each hold has a connection of its own (from a per-thread pool, opened with the
+table backend's ``open_like`` and tracked for forks), so that the lock survives
+the caller's transactions and connection closes, and ending one hold's session
+ends no other hold. A waiter that finds the lease run out while the recorded
+session still holds the server's lock ends that session (``KILL CONNECTION``,
+``pg_terminate_backend``) and takes the lock: a hung holder loses it after
+``ttl``, and its watchdog's next renewal (or its release) finds the lease gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, TypeVar
+
+from django.core import checks
+from django.core.exceptions import ImproperlyConfigured
+from django.db import DatabaseError, connections
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+from distlocks.backends.base import BaseLockBackend, LockInfo
+from distlocks.backends.db.connections import (
+    close_if_dropped,
+    connection_options,
+    database_of,
+    is_busy,
+    missing_database,
+    open_like,
+    track,
+    tracked,
+)
+from distlocks.exceptions import BackendUnavailable
+from distlocks.owner import Owner
+
+T = TypeVar("T")
+
+TABLE = "distlocks_native_lease"
+# How long a waiter that ended an expired holder's session waits for the server to free its lock.
+TAKEOVER_WAIT = 2.0
+# The columns ``held()`` reads, in this order.
+HELD_COLUMNS = "n.lock_name, n.owner_host, n.owner_pid, n.owner_thread, n.hold_count, n.id, n.acquired_at, n.expires_at"
+
+
+class TimedOut(Exception):
+    """A statement waited as long as it was allowed to for the server's lock."""
+
+
+class Deadlocked(BackendUnavailable):
+    """The server chose this statement as a deadlock's victim; its connection is closed (so its locks are free).
+
+    An acquire attempt then counts as not acquired; any other statement fails as the server being unavailable.
+    """
+
+
+@dataclass
+class _Hold:
+    connection: BaseDatabaseWrapper
+    token: int
+    count: int = 1
+
+
+# Every hold of this process by (alias, key, owner secret): the watchdog's
+# thread frees the hold of a thread that ended by closing its connection.
+_holding: dict[tuple[str, str, str], BaseDatabaseWrapper] = {}
+_holding_lock = threading.Lock()
+
+
+def _forget_after_fork() -> None:
+    global _holding_lock
+    _holding.clear()  # the parent's sessions: connections.py has cut the child off them
+    _holding_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+class NativeLockBackend(BaseLockBackend):
+    """A lock backend on a database server's own named locks; subclasses give the SQL."""
+
+    max_key_length = 255
+    session_bound = True  # the server's lock belongs to a session: no detach/resume in another process
+    vendor = ""
+
+    def __init__(self, alias: str, params: dict[str, Any]) -> None:
+        super().__init__(alias, params)
+        self.database, self.connect_timeout, self.timeout = connection_options(alias, self.options)
+        self._idle: list[BaseDatabaseWrapper] = []
+        self._held: dict[str, _Hold] = {}
+        self._won: dict[str, BaseDatabaseWrapper] = {}  # taken inside wait(), recorded by the next try_acquire
+        self._lease_left: dict[str, float | None] = {}
+
+    def make_key(self, name: str) -> str:
+        if "\x00" in name:
+            raise ValueError("name must not contain a NUL character ('\\x00'): the lease table cannot store it")
+        return super().make_key(name)
+
+    # -- the SQL, per server -----------------------------------------------------
+
+    def server_key(self, key: str) -> str:
+        """What the server locks for ``key``, as stored in the ``lock_key`` column."""
+        raise NotImplementedError
+
+    def sql_try(self, cursor: Any, key: str, owner: Owner, ttl: float) -> int | None:
+        """Take the server's lock if free and write the lease, in one statement; the token or None."""
+        raise NotImplementedError
+
+    def sql_block(self, cursor: Any, key: str, seconds: float) -> bool:
+        """Wait inside the server at most ``seconds`` for its lock; True if taken (no lease written)."""
+        raise NotImplementedError
+
+    def sql_write(self, cursor: Any, key: str, owner: Owner, ttl: float) -> int:
+        """Write the lease of a server lock this session holds; the token."""
+        raise NotImplementedError
+
+    def sql_unlock(self, cursor: Any, key: str, token: int) -> bool:
+        """Free the server's lock; True if the lease ``token`` was still live."""
+        raise NotImplementedError
+
+    def sql_holder(self, cursor: Any, key: str) -> tuple[float, int] | None:
+        """Seconds left on the lease of the session holding ``key``'s server lock, and that session (None: unknown)."""
+        raise NotImplementedError
+
+    def sql_end_session(self, cursor: Any, key: str, session: int) -> None:
+        """End ``session`` if it still holds ``key``'s server lock on an expired lease (its server locks are freed)."""
+        raise NotImplementedError
+
+    def sql_renew(self, cursor: Any, key: str, secret: str, ttl: float | None, more: int) -> bool:
+        """Renew (``ttl``; None: leave it) the live lease of ``secret`` whose session holds the lock, counting ``more`` holds."""
+        raise NotImplementedError
+
+    def sql_held(self, cursor: Any, key: str | None) -> list[Sequence[Any]]:
+        """Rows of ``HELD_COLUMNS`` plus waiters, of the leases whose session holds the server lock."""
+        raise NotImplementedError
+
+    def sql_force_release(self, cursor: Any, key: str, token: int | None) -> bool:
+        raise NotImplementedError
+
+    def sql_clear_expired(self, cursor: Any, dry_run: bool) -> int:
+        raise NotImplementedError
+
+    def sql_warnings(self, cursor: Any) -> list[checks.CheckMessage]:
+        """What the server says that breaks these locks (a pooler, a cluster), for ``manage.py check``."""
+        return []
+
+    def timed_out(self, exc: Exception) -> bool:
+        """Whether ``exc`` means a wait for the server's lock ran out of its time."""
+        return False
+
+    # -- connections -------------------------------------------------------------
+
+    def _base(self) -> BaseDatabaseWrapper:
+        base = database_of(self.alias, self.database)
+        if base.vendor != self.vendor:
+            raise ImproperlyConfigured(
+                f"DISTLOCKS[{self.alias!r}] needs a {self.vendor} database; {self.database!r} is {base.vendor}"
+            )
+        return base
+
+    def _connection(self) -> BaseDatabaseWrapper:
+        """An idle connection of this thread's, or a new one (tracked: closed with its thread, cut off in forks)."""
+        while self._idle:
+            connection = self._idle.pop()
+            if tracked(connection):  # else the parent's, in a forked child
+                close_if_dropped(connection)
+                return connection
+        connection = open_like(self._base(), f"distlocks:{self.alias}", self.connect_timeout, self.timeout)
+        track(connection)
+        return connection
+
+    def _put(self, connection: BaseDatabaseWrapper) -> None:
+        self._idle.append(connection)
+
+    def _unavailable(self, exc: Exception) -> BackendUnavailable:
+        return BackendUnavailable(
+            f"Database {self.database!r} for locks on {self.alias!r} is unavailable: {exc}", alias=self.alias
+        )
+
+    def _run(self, connection: BaseDatabaseWrapper, statement: Callable[[Any], T], waits: bool = False) -> T:
+        """Run ``statement(cursor)``; any error closes the connection and raises BackendUnavailable,
+        except that the wait of a statement that ``waits`` for the server's lock running out raises TimedOut."""
+        try:
+            with connection.cursor() as cursor:
+                return statement(cursor)
+        except DatabaseError as exc:
+            if waits and self.timed_out(exc):
+                raise TimedOut from exc
+            with contextlib.suppress(Exception):
+                connection.close()
+            if is_busy(exc):
+                # A half-done statement may hold the server's lock (GET_LOCK is not
+                # transactional): the closed session has freed it.
+                raise Deadlocked(str(self._unavailable(exc)), alias=self.alias) from exc
+            raise self._unavailable(exc) from exc
+
+    def _on_any(self, statement: Callable[[Any], T]) -> T:
+        """Run ``statement`` on an idle connection of this thread's."""
+        connection = self._connection()
+        try:
+            return self._run(connection, statement)
+        finally:
+            self._put(connection)
+
+    # -- the lock primitives -------------------------------------------------------
+
+    def try_acquire(self, key: str, owner: Owner, ttl: float) -> int | None:
+        won = self._won.pop(key, None)  # wait() took the server's lock: only the lease is left to write
+        connection = won or self._connection()
+        try:
+            if won is not None:
+                token: int | None = self._run(won, lambda c: self.sql_write(c, key, owner, ttl))
+            else:
+                token = self._attempt(connection, key, owner, ttl)
+        except Deadlocked:
+            self._put(connection)  # closed: it connects again when next used
+            return None  # not acquired: the core tries again
+        except BackendUnavailable:
+            self._put(connection)  # closed: it connects again when next used
+            raise
+        if token is None:
+            self._put(connection)
+            return None
+        self._held[key] = _Hold(connection, token)
+        with _holding_lock:
+            _holding[(self.alias, key, owner.secret)] = connection
+        return token
+
+    def _attempt(self, connection: BaseDatabaseWrapper, key: str, owner: Owner, ttl: float) -> int | None:
+        token = self._run(connection, lambda c: self.sql_try(c, key, owner, ttl))
+        if token is not None:
+            return token
+        holder = self._run(connection, lambda c: self.sql_holder(c, key))
+        self._lease_left[key] = None if holder is None else holder[0]
+        if holder is None or holder[0] > 0:
+            return None
+        # The lease ran out while its session still holds the server's lock (hung,
+        # or not renewed): end that session, and take the lock once the server frees it.
+        self._run(connection, lambda c: self.sql_end_session(c, key, holder[1]))
+        if not self._block(connection, key, min(TAKEOVER_WAIT, self.timeout)):
+            return None
+        return self._run(connection, lambda c: self.sql_write(c, key, owner, ttl))
+
+    def _block(self, connection: BaseDatabaseWrapper, key: str, seconds: float) -> bool:
+        try:
+            return self._run(connection, lambda c: self.sql_block(c, key, seconds), waits=True)
+        except TimedOut:
+            return False
+
+    def wait(self, key: str, attempt: int, remaining: float | None) -> None:
+        """Wait in the server's queue for the lock, until ``remaining`` runs out or the holder's lease would.
+
+        Each wait lasts at most ``TIMEOUT`` seconds (a server that does not
+        answer is noticed within it); then the core tries again, which ends the
+        session of a holder whose lease ran out.
+        """
+        seconds = self.timeout if remaining is None else min(remaining, self.timeout)
+        left = self._lease_left.get(key)
+        if left is not None and left > 0:
+            seconds = min(seconds, left + 0.01)
+        connection = self._connection()
+        try:
+            won = self._block(connection, key, max(seconds, 0.001))
+        except BackendUnavailable:
+            self._put(connection)
+            raise
+        if won:
+            self._won[key] = connection
+        else:
+            self._put(connection)
+
+    def end_wait(self, key: str, acquired: bool) -> None:
+        self._lease_left.pop(key, None)
+        won = self._won.pop(key, None)
+        if won is not None:  # taken by wait() but never recorded (the caller gave up): free it
+            with contextlib.suppress(Exception):
+                won.close()
+
+    def _mine(self, key: str, owner: Owner) -> _Hold | None:
+        hold = self._held.get(key)
+        if hold is None or not tracked(hold.connection):  # not held, or held by the parent of this fork
+            return None
+        close_if_dropped(hold.connection)
+        if hold.connection.connection is None:  # the session ended: so did the server's lock
+            self._forget(key, owner)
+            self._put(hold.connection)
+            return None
+        return hold
+
+    def _forget(self, key: str, owner: Owner) -> BaseDatabaseWrapper | None:
+        hold = self._held.pop(key, None)
+        with _holding_lock:
+            _holding.pop((self.alias, key, owner.secret), None)
+        return hold.connection if hold else None
+
+    def reenter(self, key: str, owner: Owner, ttl: float) -> bool:
+        hold = self._mine(key, owner)
+        if hold is None:
+            return False
+        try:
+            renewed = self._run(hold.connection, lambda c: self.sql_renew(c, key, owner.secret, ttl, 1))
+        except BackendUnavailable:
+            self._forget(key, owner)  # its session is gone, and the server's lock with it
+            self._put(hold.connection)
+            return False
+        if renewed:
+            hold.count += 1
+        return renewed
+
+    def release(self, key: str, owner: Owner) -> bool:
+        hold = self._mine(key, owner)
+        if hold is None:
+            return False
+        try:
+            if hold.count > 1:
+                hold.count -= 1
+                return self._run(hold.connection, lambda c: self.sql_renew(c, key, owner.secret, None, -1))
+            live = self._run(hold.connection, lambda c: self.sql_unlock(c, key, hold.token))
+        except BackendUnavailable:
+            self._forget(key, owner)
+            self._put(hold.connection)
+            return False
+        self._forget(key, owner)
+        self._put(hold.connection)
+        return live
+
+    def extend(self, key: str, owner: Owner, ttl: float) -> bool:
+        return self._on_any(lambda c: self.sql_renew(c, key, owner.secret, ttl, 0))
+
+    def drop(self, key: str, owner: Owner) -> bool:
+        """Free ``owner``'s hold of ``key`` by closing its session (from any thread of the process)."""
+        with _holding_lock:
+            connection = _holding.pop((self.alias, key, owner.secret), None)
+        self._held.pop(key, None)
+        if connection is None:
+            return False
+        with contextlib.suppress(Exception):
+            connection.close()
+        return True
+
+    # -- inspection and maintenance ----------------------------------------------
+
+    def _infos(self, key: str | None) -> list[LockInfo]:
+        rows = self._on_any(lambda c: self.sql_held(c, key))
+        return [
+            LockInfo(
+                alias=self.alias,
+                name=row[0],
+                owner=f"{row[1]}:{row[2]}:{row[3]}",
+                hold_count=int(row[4]),
+                token=int(row[5]),
+                acquired_at=_utc(row[6]),
+                expires_at=_utc(row[7]),
+                waiters=None if row[8] is None else int(row[8]),
+            )
+            for row in rows
+        ]
+
+    def held(self) -> Iterator[LockInfo]:
+        yield from self._infos(None)
+
+    def holder(self, key: str) -> LockInfo | None:
+        return next(iter(self._infos(key)), None)
+
+    def force_release(self, key: str, token: int | None = None) -> bool:
+        """End the holding session (and so its server lock), if it still holds ``token``'s acquisition."""
+        return self._on_any(lambda c: self.sql_force_release(c, key, token))
+
+    def clear_expired(self, dry_run: bool = False) -> int:
+        """Delete leases whose session no longer holds the lock; end the sessions of expired leases."""
+        return self._on_any(lambda c: self.sql_clear_expired(c, dry_run))
+
+    @property
+    def address(self) -> str:
+        database = connections.settings[self.database] if self.database in connections else {}
+        where = ":".join(str(part) for part in (database.get("HOST"), database.get("PORT")) if part)
+        return f"database {self.database!r} ({where + ' ' if where else ''}{database.get('NAME', '')})"
+
+    def ping(self) -> list[checks.CheckMessage]:
+        return self._on_any(self.sql_warnings)
+
+    def check(self) -> list[checks.CheckMessage]:
+        if self.database not in connections:
+            return [missing_database(self.alias, self.database)]
+        vendor = connections[self.database].vendor
+        if vendor != self.vendor:
+            return [
+                checks.Error(
+                    f"DISTLOCKS[{self.alias!r}] ({type(self).__name__}) needs a {self.vendor} database; "
+                    f"{self.database!r} is {vendor}.",
+                    hint="Use the backend for that database, or distlocks.backends.db.DatabaseBackend (any database).",
+                    id="distlocks.E007",
+                )
+            ]
+        return []
+
+
+def _utc(value: datetime) -> datetime:
+    """A DATETIME read back naive (MySQL) is UTC: the leases are written in UTC."""
+    return value if value.tzinfo else value.replace(tzinfo=timezone.utc)

@@ -1,0 +1,165 @@
+"""MySQL/MariaDB named locks as a lock backend: ``GET_LOCK`` / ``RELEASE_LOCK``.
+
+Guarantees: the server's named lock is the mutual exclusion, and waiters
+queue for it inside the server, first come first served. Named locks are
+server-wide, so the server's name is the database's name and the key, used
+as they are when they are short lowercase ASCII (readable in
+``IS_USED_LOCK``), else replaced by ``#`` and 60 hex digits of their BLAKE2b
+hash: the 64-character limit never cuts a name, and case, accents and
+trailing spaces make other locks, as on the table backend. The lease row
+(``distlocks_native_lease``, see ``distlocks.backends.db.native``) carries the
+fencing token and the lease. Galera: ``GET_LOCK`` is local to one node, so
+two clients on two nodes can both hold a lock (a system check warns).
+Ending a hung holder's session takes ``KILL CONNECTION``: a user may end its
+own sessions; with several users, grant ``CONNECTION_ADMIN`` (MySQL) or
+``CONNECTION ADMIN`` (MariaDB).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import re
+from typing import Any
+
+from django.core import checks
+from django.db import DatabaseError, connections
+
+from distlocks.backends.db.native import HELD_COLUMNS, TABLE, NativeLockBackend
+from distlocks.owner import Owner
+
+_PLAIN = re.compile(r"[a-z0-9_.:-]{1,64}")
+_NOW = "UTC_TIMESTAMP(6)"
+_LATER = f"{_NOW} + INTERVAL %s MICROSECOND"
+_COLUMNS = "lock_name, lock_key, session, owner_host, owner_pid, owner_thread, owner_secret, hold_count, acquired_at, expires_at"
+_VALUES = f"%s, %s, CONNECTION_ID(), %s, %s, %s, %s, 1, {_NOW}, {_LATER}"
+_HOLDING = "IS_USED_LOCK(n.lock_key) <=> n.session"
+# The lock and its lease in one statement: the row is written only if GET_LOCK took the lock.
+_TRY = f"REPLACE INTO {TABLE} ({_COLUMNS}) SELECT {_VALUES} FROM DUAL WHERE GET_LOCK(%s, 0) = 1"
+_WRITE = f"REPLACE INTO {TABLE} ({_COLUMNS}) VALUES ({_VALUES})"
+# Left to right: the lease is read before the lock is freed (and the next holder replaces the row).
+_UNLOCK = f"SELECT (SELECT COUNT(*) FROM {TABLE} WHERE id = %s AND expires_at > {_NOW}), RELEASE_LOCK(%s)"
+_HOLDER = (
+    f"SELECT TIMESTAMPDIFF(MICROSECOND, {_NOW}, n.expires_at), n.session FROM {TABLE} n"
+    f" WHERE n.lock_name = %s AND {_HOLDING}"
+)
+_RENEW = (
+    f"UPDATE {TABLE} n SET {{expiry}}n.hold_count = n.hold_count + %s"
+    f" WHERE n.lock_name = %s AND n.owner_secret = %s AND n.expires_at > {_NOW} AND {_HOLDING}"
+)
+_UNKNOWN_THREAD = 1094  # KILL of a session that ended meanwhile
+
+
+def server_name(database: str, key: str) -> str:
+    """The ``GET_LOCK`` name of ``key`` in ``database``: at most 64 characters, distinct for distinct keys."""
+    name = f"{database}:{key}"
+    if _PLAIN.fullmatch(name) and not name.startswith("#"):
+        return name
+    return "#" + hashlib.blake2b(name.encode(), digest_size=30).hexdigest()
+
+
+class MySQLLockBackend(NativeLockBackend):
+    """Locks as MySQL/MariaDB named locks, in the database named by ``OPTIONS['DATABASE']``."""
+
+    vendor = "mysql"
+
+    def server_key(self, key: str) -> str:
+        return server_name(str(connections.settings[self.database]["NAME"]), key)
+
+    def _values(self, key: str, owner: Owner, ttl: float) -> list[Any]:
+        who = [owner.host[:255], owner.pid, owner.thread_label[:255], owner.secret]
+        return [key, self.server_key(key), *who, round(ttl * 1_000_000)]
+
+    def sql_try(self, cursor: Any, key: str, owner: Owner, ttl: float) -> int | None:
+        cursor.execute(_TRY, [*self._values(key, owner, ttl), self.server_key(key)])
+        return int(cursor.lastrowid) if cursor.rowcount > 0 else None
+
+    def sql_block(self, cursor: Any, key: str, seconds: float) -> bool:
+        cursor.execute("SELECT GET_LOCK(%s, %s)", [self.server_key(key), round(seconds, 3)])
+        return bool(cursor.fetchone()[0] == 1)
+
+    def sql_write(self, cursor: Any, key: str, owner: Owner, ttl: float) -> int:
+        cursor.execute(_WRITE, self._values(key, owner, ttl))
+        return int(cursor.lastrowid)
+
+    def sql_unlock(self, cursor: Any, key: str, token: int) -> bool:
+        cursor.execute(_UNLOCK, [token, self.server_key(key)])
+        return bool(cursor.fetchone()[0])
+
+    def sql_holder(self, cursor: Any, key: str) -> tuple[float, int] | None:
+        cursor.execute(_HOLDER, [key])
+        row = cursor.fetchone()
+        return None if row is None else (row[0] / 1e6, int(row[1]))
+
+    def _kill(self, cursor: Any, session: int) -> None:
+        try:
+            cursor.execute(f"KILL CONNECTION {int(session)}")
+        except DatabaseError as exc:
+            if not (exc.args and exc.args[0] == _UNKNOWN_THREAD):
+                raise
+
+    def sql_end_session(self, cursor: Any, key: str, session: int) -> None:
+        cursor.execute(
+            f"SELECT n.session FROM {TABLE} n WHERE n.lock_name = %s AND n.session = %s"
+            f" AND n.expires_at <= {_NOW} AND {_HOLDING}",
+            [key, session],
+        )
+        if cursor.fetchone() is not None:
+            self._kill(cursor, session)
+
+    def sql_renew(self, cursor: Any, key: str, secret: str, ttl: float | None, more: int) -> bool:
+        expiry = "" if ttl is None else f"n.expires_at = {_LATER}, "
+        params = ([] if ttl is None else [round(ttl * 1_000_000)]) + [more, key, secret]
+        cursor.execute(_RENEW.format(expiry=expiry), params)
+        return bool(cursor.rowcount == 1)
+
+    def sql_held(self, cursor: Any, key: str | None) -> list[Any]:
+        where = " AND n.lock_name = %s" if key else ""
+        cursor.execute(f"SELECT {HELD_COLUMNS}, NULL FROM {TABLE} n WHERE {_HOLDING}{where}", [key] if key else [])
+        return list(cursor.fetchall())
+
+    def sql_force_release(self, cursor: Any, key: str, token: int | None) -> bool:
+        """Compare under a row lock, then end the holding session: its next acquisition waits for the row."""
+        mine = "" if token is None else " AND n.id = %s"
+        cursor.execute("START TRANSACTION")
+        try:
+            cursor.execute(
+                f"SELECT n.id, n.session FROM {TABLE} n WHERE n.lock_name = %s{mine} AND {_HOLDING} FOR UPDATE",
+                [key, *([] if token is None else [token])],
+            )
+            row = cursor.fetchone()
+            if row is not None:
+                self._kill(cursor, row[1])
+                cursor.execute(f"DELETE FROM {TABLE} WHERE id = %s", [row[0]])
+        finally:
+            with contextlib.suppress(DatabaseError):
+                cursor.execute("COMMIT")
+        return row is not None
+
+    def sql_clear_expired(self, cursor: Any, dry_run: bool) -> int:
+        cursor.execute(
+            f"SELECT n.id, n.session, {_HOLDING} FROM {TABLE} n WHERE n.expires_at <= {_NOW} OR NOT ({_HOLDING})"
+        )
+        rows = cursor.fetchall()
+        if dry_run or not rows:
+            return len(rows)
+        for _, session, holding in rows:
+            if holding:  # an expired lease whose session still holds the lock: hung
+                self._kill(cursor, session)
+        cursor.execute(f"DELETE FROM {TABLE} WHERE id IN ({', '.join(['%s'] * len(rows))})", [r[0] for r in rows])
+        return len(rows)
+
+    def sql_warnings(self, cursor: Any) -> list[checks.CheckMessage]:
+        cursor.execute("SHOW VARIABLES LIKE 'wsrep_on'")
+        row = cursor.fetchone()
+        if row is None or str(row[1]).upper() != "ON":
+            return []
+        return [
+            checks.Warning(
+                f"DISTLOCKS[{self.alias!r}]: the server is a Galera cluster node, and GET_LOCK is local to one node: "
+                "clients connected to two nodes can hold the same lock at once.",
+                hint="Send every client to one node (a proxy with a single writer), "
+                "or use distlocks.backends.db.DatabaseBackend.",
+                id="distlocks.W013",
+            )
+        ]

@@ -1,0 +1,201 @@
+"""PostgreSQL advisory locks as a lock backend: ``pg_advisory_lock`` on a 64-bit key derived from the name.
+
+Guarantees: the server's advisory lock is the mutual exclusion, and waiters
+queue for it inside the server, first come first served. The key is the first
+8 bytes of the BLAKE2b hash of the name: two names share a key with a
+probability of about n²/2⁶⁵ among n names (one in 3.7·10¹⁰ for a million
+names); if they do, they exclude each other (never both held, never one hold
+shared), nothing worse. The lease row (``distlocks_native_lease``, see
+``distlocks.backends.db.native``) carries the fencing token and the lease.
+Needs PostgreSQL 14 or newer (``pg_terminate_backend`` with a timeout), a
+session of its own per hold (never PgBouncer in transaction or statement
+pooling mode: the lock would stay with a server connection that other clients
+then use), and the right to end the role's own sessions (any role has it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from typing import Any
+
+from django.core import checks
+from django.db import DatabaseError, connections
+
+from distlocks.backends.db.native import HELD_COLUMNS, TABLE, NativeLockBackend
+from distlocks.owner import Owner
+
+_TIMED_OUT = {"55P03", "57014"}  # lock_timeout, statement_timeout
+_NOW = "STATEMENT_TIMESTAMP()"
+_LATER = f"{_NOW} + %s * INTERVAL '1 microsecond'"
+# The granted advisory lock of session n.session on n.lock_key, as pg_locks shows it (alias l).
+_HOLDS = (
+    "l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted AND l.pid = n.session"
+    " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+    " AND l.classid::bigint = ((n.lock_key::bigint >> 32) & 4294967295)"
+    " AND l.objid::bigint = (n.lock_key::bigint & 4294967295)"
+)
+_HELD_BY_SESSION = f"EXISTS (SELECT 1 FROM pg_locks l WHERE {_HOLDS})"
+_COLUMNS = "id, lock_name, lock_key, session, owner_host, owner_pid, owner_thread, owner_secret, hold_count, acquired_at, expires_at"
+_UPSERT = (
+    " ON CONFLICT (lock_name) DO UPDATE SET id = EXCLUDED.id, lock_key = EXCLUDED.lock_key,"
+    " session = EXCLUDED.session, owner_host = EXCLUDED.owner_host, owner_pid = EXCLUDED.owner_pid,"
+    " owner_thread = EXCLUDED.owner_thread, owner_secret = EXCLUDED.owner_secret, hold_count = 1,"
+    " acquired_at = EXCLUDED.acquired_at, expires_at = EXCLUDED.expires_at RETURNING n.id"
+)
+_VALUES = f"nextval('distlocks_native_token'), %s, %s, pg_backend_pid(), %s, %s, %s, %s, 1, {_NOW}, {_LATER}"
+_TRY = (
+    f"WITH l AS (SELECT pg_try_advisory_lock(%s) AS ok) INSERT INTO {TABLE} AS n ({_COLUMNS})"
+    f" SELECT {_VALUES} FROM l WHERE l.ok{_UPSERT}"
+)
+_WRITE = f"INSERT INTO {TABLE} AS n ({_COLUMNS}) VALUES ({_VALUES}){_UPSERT}"
+# Left to right: the lease is read before the lock is freed. The row stays, for
+# the next holder to overwrite: no write on release.
+_UNLOCK = f"SELECT EXISTS (SELECT 1 FROM {TABLE} WHERE id = %s AND expires_at > {_NOW}), pg_advisory_unlock(%s)"
+_HOLDER = (
+    f"SELECT EXTRACT(EPOCH FROM n.expires_at - {_NOW}), n.session FROM {TABLE} n"
+    f" WHERE n.lock_name = %s AND {_HELD_BY_SESSION}"
+)
+_END_EXPIRED = (
+    f"SELECT pg_terminate_backend(n.session::int, %s) FROM {TABLE} n"
+    f" WHERE n.lock_name = %s AND n.session = %s AND n.expires_at <= {_NOW} AND {_HELD_BY_SESSION}"
+)
+_RENEW = (
+    f"UPDATE {TABLE} n SET {{expiry}}hold_count = n.hold_count + %s"
+    f" WHERE n.lock_name = %s AND n.owner_secret = %s AND n.expires_at > {_NOW} AND {_HELD_BY_SESSION}"
+)
+_HELD = (
+    f"SELECT {HELD_COLUMNS}, (SELECT COUNT(*) FROM pg_locks w WHERE w.locktype = 'advisory' AND NOT w.granted"
+    " AND w.objsubid = 1 AND w.database = l.database AND w.classid = l.classid AND w.objid = l.objid)"
+    f" FROM {TABLE} n JOIN pg_locks l ON {_HOLDS}"
+)
+_STALE = f"n.expires_at <= {_NOW} OR NOT {_HELD_BY_SESSION}"
+
+
+def advisory_key(key: str) -> int:
+    """The signed 64-bit advisory lock key of ``key``: the same in every process and Python version."""
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big", signed=True)
+
+
+class AdvisoryLockBackend(NativeLockBackend):
+    """Locks as PostgreSQL session-level advisory locks, in the database named by ``OPTIONS['DATABASE']``."""
+
+    vendor = "postgresql"
+
+    def server_key(self, key: str) -> str:
+        return str(advisory_key(key))
+
+    def _ms(self) -> int:
+        return round(self.timeout * 1000)
+
+    def timed_out(self, exc: Exception) -> bool:
+        return getattr(exc.__cause__, "sqlstate", None) in _TIMED_OUT
+
+    def _values(self, key: str, owner: Owner, ttl: float) -> list[Any]:
+        who = [owner.host[:255], owner.pid, owner.thread_label[:255], owner.secret]
+        return [key, self.server_key(key), *who, round(ttl * 1_000_000)]
+
+    def sql_try(self, cursor: Any, key: str, owner: Owner, ttl: float) -> int | None:
+        cursor.execute(_TRY, [advisory_key(key), *self._values(key, owner, ttl)])
+        row = cursor.fetchone()
+        return None if row is None else int(row[0])
+
+    def sql_block(self, cursor: Any, key: str, seconds: float) -> bool:
+        """Wait with ``lock_timeout`` set to ``seconds`` (read when the wait begins), then set back to ``TIMEOUT``."""
+        default = f"{self._ms()}ms"
+        try:
+            cursor.execute(
+                "SELECT set_config('lock_timeout', %s, false), pg_advisory_lock(%s), set_config('lock_timeout', %s, false)",
+                [f"{max(1, round(seconds * 1000))}ms", advisory_key(key), default],
+            )
+        except DatabaseError:
+            with contextlib.suppress(DatabaseError):
+                cursor.execute("SELECT set_config('lock_timeout', %s, false)", [default])
+            raise
+        return True
+
+    def sql_write(self, cursor: Any, key: str, owner: Owner, ttl: float) -> int:
+        cursor.execute(_WRITE, self._values(key, owner, ttl))
+        return int(cursor.fetchone()[0])
+
+    def sql_unlock(self, cursor: Any, key: str, token: int) -> bool:
+        cursor.execute(_UNLOCK, [token, advisory_key(key)])
+        return bool(cursor.fetchone()[0])
+
+    def sql_holder(self, cursor: Any, key: str) -> tuple[float, int] | None:
+        cursor.execute(_HOLDER, [key])
+        row = cursor.fetchone()
+        return None if row is None else (float(row[0]), int(row[1]))
+
+    def sql_end_session(self, cursor: Any, key: str, session: int) -> None:
+        cursor.execute(_END_EXPIRED, [self._ms(), key, session])
+
+    def sql_renew(self, cursor: Any, key: str, secret: str, ttl: float | None, more: int) -> bool:
+        expiry = "" if ttl is None else f"expires_at = {_LATER}, "
+        params = ([] if ttl is None else [round(ttl * 1_000_000)]) + [more, key, secret]
+        cursor.execute(_RENEW.format(expiry=expiry), params)
+        return bool(cursor.rowcount == 1)
+
+    def sql_held(self, cursor: Any, key: str | None) -> list[Any]:
+        cursor.execute(_HELD + (" WHERE n.lock_name = %s" if key else ""), [key] if key else [])
+        return list(cursor.fetchall())
+
+    def sql_force_release(self, cursor: Any, key: str, token: int | None) -> bool:
+        # Compare (name, token, session still holding) and end the session in one statement.
+        mine = "" if token is None else " AND n.id = %s"
+        cursor.execute(
+            f"WITH d AS (DELETE FROM {TABLE} n WHERE n.lock_name = %s{mine} AND {_HELD_BY_SESSION} RETURNING n.session)"
+            " SELECT pg_terminate_backend(session::int, %s) FROM d",
+            [key, *([] if token is None else [token]), self._ms()],
+        )
+        return cursor.fetchone() is not None
+
+    def sql_clear_expired(self, cursor: Any, dry_run: bool) -> int:
+        if dry_run:
+            cursor.execute(f"SELECT COUNT(*) FROM {TABLE} n WHERE {_STALE}")
+            return int(cursor.fetchone()[0])
+        cursor.execute(
+            f"WITH d AS (DELETE FROM {TABLE} n WHERE {_STALE}"
+            f" RETURNING n.session, n.expires_at <= {_NOW} AND {_HELD_BY_SESSION} AS hung)"
+            " SELECT COUNT(*), COUNT(pg_terminate_backend(session::int, %s)) FILTER (WHERE hung) FROM d",
+            [self._ms()],
+        )
+        return int(cursor.fetchone()[0])
+
+    def sql_warnings(self, cursor: Any) -> list[checks.CheckMessage]:
+        """Tell a transaction-pooling PgBouncer (the session changes between statements) and old servers."""
+        sessions = set()
+        for _ in range(3):
+            cursor.execute("SELECT pg_backend_pid(), inet_server_port(), current_setting('server_version_num')::int")
+            pid, port, version = cursor.fetchone()
+            sessions.add(pid)
+        found: list[checks.CheckMessage] = []
+        if len(sessions) > 1:
+            found.append(
+                checks.Error(
+                    f"DISTLOCKS[{self.alias!r}]: successive statements ran in different server sessions: "
+                    "a pooler (PgBouncer in transaction or statement pooling mode) is in between, "
+                    "and advisory locks would stay with server sessions that other clients use.",
+                    hint="Point OPTIONS['DATABASE'] at a direct connection (or PgBouncer in session mode), "
+                    "or use distlocks.backends.db.DatabaseBackend, which is safe behind PgBouncer.",
+                    id="distlocks.E008",
+                )
+            )
+        configured = int(connections.settings[self.database].get("PORT") or 5432)
+        if port is not None and port != configured:
+            found.append(
+                checks.Warning(
+                    f"DISTLOCKS[{self.alias!r}]: the server listens on port {port} but is reached on {configured}: "
+                    "through a proxy or pooler. PgBouncer in transaction or statement pooling mode breaks advisory locks.",
+                    hint="Use a direct connection or session pooling for this backend.",
+                    id="distlocks.W012",
+                )
+            )
+        if version < 140000:
+            found.append(
+                checks.Error(
+                    f"DISTLOCKS[{self.alias!r}] needs PostgreSQL 14 or newer (pg_terminate_backend with a timeout).",
+                    id="distlocks.E009",
+                )
+            )
+        return found

@@ -1,0 +1,1 @@
+"""Prometheus metrics of distlocks: add "distlocks.metrics" to INSTALLED_APPS (needs prometheus-client)."""

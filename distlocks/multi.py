@@ -1,0 +1,145 @@
+"""MultiLock: several locks taken all or none, in one order whatever order they were named in.
+
+Two callers that lock overlapping sets never deadlock: both take the members
+in sorted order, so the one that holds the first shared member gets the rest.
+Each member is an ordinary ``DistributedLock`` (renewed, fenced, reentrant per
+thread, listed and force-released like any lock).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+from distlocks.backends.base import check_wait
+from distlocks.exceptions import LockLost, LockNotAcquired, LockNotOwned
+from distlocks.handler import DEFAULT_ALIAS
+from distlocks.lock import _DEFAULT, DistributedLock, LockAPI
+
+
+def check_names(names: Any) -> tuple[str, ...]:
+    """Return the distinct names in sorted order, or raise ValueError naming ``names``."""
+    if not isinstance(names, list | tuple):
+        raise ValueError(f"names must be a list or tuple of lock names, not {type(names).__name__}")
+    if not names:
+        raise ValueError("names must name at least one lock")
+    for name in names:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"names must hold non-empty str lock names, not {name!r}")
+    return tuple(sorted(set(names)))
+
+
+class MultiLock(LockAPI):
+    """Several named locks on one backend, held all together or not at all.
+
+    Duplicates in ``names`` are merged (a set of locks). ``wait`` is one deadline
+    for the whole set. Ownership belongs to the calling thread, as for the lock.
+    """
+
+    def __init__(
+        self,
+        names: list[str] | tuple[str, ...],
+        *,
+        using: str = DEFAULT_ALIAS,
+        ttl: float | None = None,
+        wait: float | None = None,
+        renew: bool = True,
+    ) -> None:
+        self.names = check_names(names)
+        self.alias = using
+        self.locks = [DistributedLock(name, using=using, ttl=ttl, wait=wait, renew=renew) for name in self.names]
+        self.wait = check_wait(wait)
+
+    def __repr__(self) -> str:
+        return f"<MultiLock {list(self.names)!r} using={self.alias!r} wait={self.wait}>"
+
+    def _message(self, what: str) -> str:
+        return f"Locks {list(self.names)!r} on {self.alias!r} {what}"
+
+    def _not_acquired(self, wait: float | None) -> LockNotAcquired:
+        return LockNotAcquired(self._message(f"not acquired within {wait}s"), name=self.names[0], alias=self.alias)
+
+    @property
+    def tokens(self) -> dict[str, int]:
+        """Each member's fencing token, by name: fence each resource with its own name's token."""
+        self._check_held()
+        return {lk.name: lk.token for lk in self.locks}
+
+    @property
+    def token(self) -> tuple[int, ...]:
+        """The members' fencing tokens in ``names`` order (sorted); raise LockNotOwned if not held."""
+        return tuple(self.tokens.values())
+
+    @property
+    def hold_count(self) -> int:
+        """How many times the calling thread holds the whole set (0: not held)."""
+        return min(lk.hold_count for lk in self.locks)
+
+    @property
+    def lost(self) -> bool:
+        """True if the calling thread holds the set and any member's lease was lost."""
+        return any(lk.lost for lk in self.locks)
+
+    def _check_held(self) -> None:
+        if not self.hold_count:
+            raise LockNotOwned(self._message("are not held by this thread"), name=self.names[0], alias=self.alias)
+
+    def acquire(self, wait: float | None = _DEFAULT) -> bool:
+        """Take every member, in sorted order, within ``wait`` seconds in all; return True if all were taken.
+
+        If one is not taken in time, those taken are released again and False
+        is returned: nothing is left held. Raise what a member's acquire raises
+        (LockLost, BackendUnavailable), after releasing the members taken.
+        """
+        wait = self.wait if wait is _DEFAULT else check_wait(wait)
+        deadline = None if wait is None else time.monotonic() + wait
+        taken: list[DistributedLock] = []
+        try:
+            for lk in self.locks:
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if not lk.acquire(wait=remaining):
+                    self._release_all(taken)
+                    return False
+                taken.append(lk)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self._release_all(taken)
+            raise
+        return True
+
+    def release(self) -> None:
+        """Release one hold of every member, the last taken first.
+
+        Raise LockNotOwned if the calling thread does not hold the set, and
+        LockLost (once every member has been released) if any member was lost.
+        """
+        self._check_held()
+        self._release_all(self.locks)
+
+    def _release_all(self, members: list[DistributedLock]) -> None:
+        lost: LockLost | None = None
+        error: Exception | None = None
+        for lk in reversed(members):
+            try:
+                lk.release()
+            except LockLost as exc:
+                lost = lost or exc
+            except Exception as exc:  # the other members must still be released
+                error = error or exc
+        if lost is not None:
+            raise LockLost(self._message(f"were lost while held: {lost}"), name=self.names[0], alias=self.alias)
+        if error is not None:
+            raise error
+
+
+def multi_lock(
+    names: list[str] | tuple[str, ...],
+    *,
+    using: str = DEFAULT_ALIAS,
+    ttl: float | None = None,
+    wait: float | None = None,
+    renew: bool = True,
+) -> MultiLock:
+    """Return a lock on all of ``names`` together, on the ``using`` backend (see MultiLock)."""
+    return MultiLock(names, using=using, ttl=ttl, wait=wait, renew=renew)

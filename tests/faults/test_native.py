@@ -1,0 +1,167 @@
+"""Native database locks (GET_LOCK, advisory locks) under faults: killed and frozen holders, killed sessions, the queue."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from io import StringIO
+
+import pytest
+from django.core.management import call_command
+from django.db import connections
+
+import distlocks
+from distlocks.backends.db import close_connections
+from distlocks.backends.mysql import server_name
+from distlocks.handler import locks
+from distlocks.signals import lock_lost
+from tests.conftest import DB, NATIVE_ALIASES, Holder
+from tests.faults.conftest import FreezableProxy, free_elsewhere
+from tests.faults.test_db import kill_session
+
+pytestmark = DB
+native = pytest.mark.parametrize("alias", NATIVE_ALIASES, indirect=True)
+
+DATABASE = {"mariadb_native": "mariadb", "postgresql_native": "postgresql"}
+
+
+def until(condition, seconds=15, what="the condition"):
+    """Poll ``condition`` until it is true, for at most ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen within {seconds}s"
+        time.sleep(0.01)
+
+
+def queued(alias, name):
+    """How many sessions wait in the server's queue for the lock ``name``."""
+    key = locks[alias].make_key(name)
+    database = DATABASE[alias]
+    with connections[database].cursor() as cursor:
+        if connections[database].vendor == "mysql":
+            lock = server_name(str(connections[database].settings_dict["NAME"]), key)
+            cursor.execute(
+                "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE STATE = 'User lock' AND INFO LIKE %s",
+                [f"%{lock}%"],
+            )
+            return cursor.fetchone()[0]
+    info = locks[alias].holder(key)
+    return info.waiters if info else 0
+
+
+def holding_session(alias, name):
+    """The server session that holds ``name``, as its lease row says."""
+    with connections[DATABASE[alias]].cursor() as cursor:
+        cursor.execute("SELECT session FROM distlocks_native_lease WHERE lock_name = %s", [locks[alias].make_key(name)])
+        return cursor.fetchone()[0]
+
+
+@native
+def test_sigkilled_holder_frees_the_lock_at_once(alias, name, workers):
+    holder = workers("hold", alias, name, 30)
+    assert holder.line()[0] == "acquired"
+    assert not free_elsewhere(name, alias)
+    waiter = workers("take", alias, name, 20)
+    until(lambda: queued(alias, name) == 1, what="the waiter queueing")
+    holder.kill()
+    killed = time.monotonic()
+    assert waiter.finish()[0] == "acquired"
+    assert time.monotonic() - killed < 3, "the lock waited for the lease (30 s) instead of the session's end"
+
+
+@native
+def test_frozen_holder_loses_the_lock_after_its_ttl_and_is_told_on_waking(alias, name, workers):
+    holder = workers("hold_until_lost", alias, name, 1.5)
+    answer = holder.line()
+    assert answer[0] == "acquired"
+    frozen_token = int(answer[1])
+    os.kill(holder.process.pid, signal.SIGSTOP)
+    try:
+        frozen = time.monotonic()
+        lk = distlocks.lock(name, using=alias, wait=20)
+        assert lk.acquire()
+        took = time.monotonic() - frozen
+        assert 1.0 < took < 10, took
+        assert lk.token > frozen_token
+    finally:
+        os.kill(holder.process.pid, signal.SIGCONT)
+    assert holder.finish() == ["lost", "LockLost"]
+    assert lk.hold_count == 1
+    assert not lk.lost
+    assert locks[alias].holder(lk.key).token == lk.token
+    lk.release()
+
+
+@native
+def test_holder_is_told_when_its_database_session_is_killed(alias, name):
+    lost = []
+
+    def on_lost(sender, name, alias, token, **kwargs):
+        lost.append(token)
+
+    lock_lost.connect(on_lost)
+    try:
+        holder = Holder(name, alias, ttl=1.5)
+        kill_session(DATABASE[alias], holding_session(alias, name))
+        until(lambda: lost, seconds=5, what="lock_lost")
+        assert free_elsewhere(name, alias), "the lock outlived its session"
+        assert lost == [holder.token]
+        assert isinstance(holder.release(), distlocks.LockLost)
+    finally:
+        lock_lost.disconnect(on_lost)
+
+
+@native
+def test_waiters_are_served_first_come_first_served(alias, name, workers, tmp_path):
+    holder = Holder(name, alias)
+    waiters = [workers("take_when", alias, name, 20, tmp_path / f"go-{i}") for i in range(4)]
+    for waiter in waiters:
+        assert waiter.line() == ["ready"]
+    for i in range(len(waiters)):
+        (tmp_path / f"go-{i}").touch()
+        until(lambda i=i: queued(alias, name) == i + 1, what=f"waiter {i} queueing")
+    assert holder.release() is None
+    tokens = [int(waiter.finish()[1]) for waiter in waiters]
+    assert tokens == sorted(tokens), f"served out of order: {tokens}"
+
+
+@native
+def test_cleanup_deletes_expired_leases_and_ends_their_sessions(alias, name):
+    live = distlocks.lock(f"{name}-live", using=alias)
+    expired = [distlocks.lock(f"{name}-{i}", using=alias, ttl=0.2, renew=False) for i in range(3)]
+    with live:
+        for lk in expired:
+            assert lk.acquire(wait=0)
+        time.sleep(0.4)
+        assert len(list(locks[alias].held())) == 4  # the expired leases' sessions still hold the server's locks
+        assert call("distlocks_cleanup", "--using", alias, "--dry-run") == f"{alias}: would delete 3 expired locks\n"
+        assert call("distlocks_cleanup", "--using", alias) == f"{alias}: deleted 3 expired locks\n"
+        assert call("distlocks_cleanup", "--using", alias) == f"{alias}: deleted 0 expired locks\n"
+        until(lambda: all(free_elsewhere(lk.name, alias) for lk in expired), what="the hung sessions ending")
+        assert [info.name for info in locks[alias].held()] == [live.key]
+        for lk in expired:
+            with pytest.raises(distlocks.LockLost):
+                lk.release()
+
+
+def call(command, *args):
+    out = StringIO()
+    call_command(command, *args, stdout=out)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("alias", ["postgresql_native"], indirect=True)
+def test_check_warns_when_postgresql_is_reached_through_a_proxy(alias, settings):
+    database = dict(connections["postgresql"].settings_dict)
+    proxy = FreezableProxy(int(database["PORT"]))
+    connections.settings["proxied"] = {**database, "HOST": "127.0.0.1", "PORT": str(proxy.port)}
+    backend = "distlocks.backends.postgresql.AdvisoryLockBackend"
+    settings.DISTLOCKS = {**settings.DISTLOCKS, "proxied": {"BACKEND": backend, "OPTIONS": {"DATABASE": "proxied"}}}
+    try:
+        assert [message.id for message in locks[alias].ping()] == []
+        assert [message.id for message in locks["proxied"].ping()] == ["distlocks.W012"]
+    finally:
+        close_connections()
+        proxy.close()
+        del connections.settings["proxied"]

@@ -1,0 +1,108 @@
+"""The wheel and sdist that ``python -m build`` makes install in a fresh virtualenv and carry everything."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tarfile
+import zipfile
+from email.parser import Parser
+
+from tests.conftest import ROOT
+
+# What a project needs of the package besides its modules.
+DATA = [
+    "distlocks/py.typed",
+    "distlocks/migrations/0001_initial.py",
+    "distlocks/migrations/0002_lock_name_byte_wise.py",
+    "distlocks/templates/admin/distlocks/app_index.html",
+    "distlocks/templates/admin/distlocks/lock/held_locks.html",
+    "distlocks/templates/admin/distlocks/lock/change_list.html",
+    "distlocks/templates/admin/distlocks/lock/force_release_confirmation.html",
+    "distlocks/templates/admin/distlocks/lock/recent_charts.html",
+    "distlocks/management/commands/distlocks_cleanup.py",
+    "distlocks/metrics/apps.py",
+]
+
+
+def run(*command, cwd, env=None):
+    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, f"{command} failed:\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+def clean_env():
+    """The environment without this test run's Django settings or paths."""
+    return {k: v for k, v in os.environ.items() if k not in ("DJANGO_SETTINGS_MODULE", "PYTHONPATH", "VIRTUAL_ENV")}
+
+
+def test_wheel_and_sdist_install_in_a_fresh_virtualenv(tmp_path):
+    dist = tmp_path / "dist"
+    run(sys.executable, "-m", "build", "--outdir", str(dist), str(ROOT), cwd=tmp_path)
+    (sdist,) = dist.glob("distlocks-*.tar.gz")
+    (wheel,) = dist.glob("distlocks-*.whl")
+
+    with tarfile.open(sdist) as archive:
+        top = sdist.name.removesuffix(".tar.gz")
+        in_sdist = {name.removeprefix(f"{top}/") for name in archive.getnames()}
+    assert {*DATA, "LICENSE", "README.md", "CHANGELOG.md", "pyproject.toml"} <= in_sdist
+    assert not any(name.startswith("tests/") for name in in_sdist)  # the suite needs the whole repository
+
+    with zipfile.ZipFile(wheel) as archive:
+        in_wheel = set(archive.namelist())
+        (metadata,) = (name for name in in_wheel if name.endswith(".dist-info/METADATA"))
+        meta = Parser().parsestr(archive.read(metadata).decode())
+    assert set(DATA) <= in_wheel
+    assert not any(name.startswith(("tests/", "demo_shop/", "bench/")) for name in in_wheel)
+    assert meta["Name"] == "distlocks"
+    assert meta["Version"] == "0.1.0"
+    assert meta["License-Expression"] == "MIT"
+    assert any(name.endswith("licenses/LICENSE") for name in in_wheel)
+    assert "prometheus" in meta.get_all("Provides-Extra")
+    assert "Typing :: Typed" in meta.get_all("Classifier")
+
+    # A fresh virtualenv and a new project, as a user would start.
+    venv = tmp_path / "venv"
+    run(sys.executable, "-m", "venv", str(venv), cwd=tmp_path)
+    python, env = str(venv / "bin" / "python"), clean_env()
+    run(
+        python,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--disable-pip-version-check",
+        f"{wheel}[prometheus]",
+        cwd=tmp_path,
+        env=env,
+    )
+    where = run(python, "-c", "import distlocks, distlocks.metrics; print(distlocks.__file__)", cwd=tmp_path, env=env)
+    package = os.path.dirname(where.strip())
+    assert package.startswith(str(venv)), package
+    for name in DATA:
+        assert os.path.isfile(os.path.join(os.path.dirname(package), name)), name
+
+    (tmp_path / "shopsite").mkdir()  # Django 5.2 wants it to exist
+    run(
+        str(venv / "bin" / "django-admin"),
+        "startproject",
+        "shopsite",
+        str(tmp_path / "shopsite"),
+        cwd=tmp_path,
+        env=env,
+    )
+    settings = tmp_path / "shopsite" / "shopsite" / "settings.py"
+    text = settings.read_text()
+    settings.write_text(
+        text.replace("INSTALLED_APPS = [", 'INSTALLED_APPS = [\n    "distlocks",\n    "distlocks.metrics",', 1)
+    )
+    project = tmp_path / "shopsite"
+    assert "System check identified no issues" in run(python, "manage.py", "check", cwd=project, env=env)
+    assert "Applying distlocks.0002_lock_name_byte_wise... OK" in run(
+        python, "manage.py", "migrate", cwd=project, env=env
+    )
+    # The lock works from the installed package, on the new project's SQLite database.
+    script = "import django; django.setup(); import distlocks\nwith distlocks.lock('first') as held: print(held.token)"
+    env["DJANGO_SETTINGS_MODULE"] = "shopsite.settings"
+    assert run(python, "-c", script, cwd=project, env=env).strip().isdigit()
