@@ -12,6 +12,7 @@ from distlocks.exceptions import (
 )
 from distlocks.lock import DistributedLock, lock
 from distlocks.multi import MultiLock, multi_lock
+from distlocks.rwlock import ReadWriteLock, read_write_lock
 from distlocks.semaphore import Semaphore, semaphore
 
 __all__ = [
@@ -22,9 +23,11 @@ __all__ = [
     "LockNotAcquired",
     "LockNotOwned",
     "MultiLock",
+    "ReadWriteLock",
     "Semaphore",
     "StaleToken",
     "lock",
     "multi_lock",
+    "read_write_lock",
     "semaphore",
 ]

@@ -2,12 +2,33 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from distlocks.backends.base import LockInfo
 from distlocks.exceptions import LockError
 from distlocks.handler import locks
+from distlocks.owner import task_id_of
+
+#: The kinds of lock, as the admin and ``distlocks_list`` show them ("read" and "write": a read-write lock's sides).
+KINDS = ("lock", "semaphore", "multi", "read", "write")
+READ_WRITE = ("read", "write")
+# A semaphore's locks: its permits, its queue and its permits count (see distlocks.semaphore).
+_SEMAPHORE = re.compile(r"(^|:)sem:.*#(\d+|queue|permits)$")
+
+
+def kind_of(info: LockInfo) -> str:
+    """What kind of lock ``info`` is part of: the backend says for a read-write lock, the name or owner else."""
+    if info.kind != "lock":
+        return info.kind
+    task = task_id_of(info.owner) or ""
+    if task.startswith("permits=") or _SEMAPHORE.search(info.name):
+        return "semaphore"
+    if task.startswith("multi="):
+        return "multi"
+    return "lock"
 
 
 @dataclass
@@ -28,7 +49,7 @@ def held_locks(using: Iterable[str] | None = None) -> HeldLocks:
     result = HeldLocks()
     for alias in using if using is not None else list(locks):
         try:
-            result.locks.extend(locks[alias].held())
+            result.locks.extend(dataclasses.replace(info, kind=kind_of(info)) for info in locks[alias].held())
         except NotImplementedError:
             result.errors[alias] = "this backend cannot list its locks"
         except LockError as exc:
@@ -37,13 +58,17 @@ def held_locks(using: Iterable[str] | None = None) -> HeldLocks:
     return result
 
 
-def force_release(alias: str, key: str, token: int | None = None) -> bool:
+def force_release(alias: str, key: str, token: int | None = None, kind: str = "lock") -> bool:
     """Free the lock stored as ``key`` (a ``LockInfo.name``) whoever holds it; False if it was not held.
 
     With ``token``, only that acquisition of it: the server compares and frees
     in one step, so a lock that changed hands since it was shown stays held.
+    A read-write lock's holder (``kind`` "read" or "write") is freed alone:
+    with ``token``, that one; without, the writer or else any one reader.
     """
     backend = locks[alias]
+    if kind in READ_WRITE:
+        return backend.rw_force_release(key, token)
     return backend.force_release(key) if token is None else backend.force_release(key, token)
 
 

@@ -115,9 +115,14 @@ class DistributedLock(LockAPI):
     def __repr__(self) -> str:
         return f"<DistributedLock {self.name!r} using={self.alias!r} ttl={self.ttl} wait={self.wait}>"
 
+    @classmethod
+    def primitives(cls, backend: BaseLockBackend) -> BaseLockBackend:
+        """What this kind of lock calls on ``backend`` (the read-write lock's sides call its read-write primitives)."""
+        return backend
+
     @property
     def _backend(self) -> BaseLockBackend:
-        return locks[self.alias]  # one instance per thread
+        return self.primitives(locks[self.alias])  # one instance per thread
 
     def _hold(self) -> Hold | None:
         return holds().get((self.alias, self.key))
@@ -193,7 +198,7 @@ class DistributedLock(LockAPI):
         """
         called = time.monotonic()
         wait = self.wait if wait is _DEFAULT else check_wait(wait)
-        backend = locks[self.alias]
+        backend = self.primitives(locks[self.alias])
         mine = holds()
         hold = mine.get((self.alias, self.key))
         if hold is not None:

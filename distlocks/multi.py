@@ -9,6 +9,7 @@ thread, listed and force-released like any lock).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from typing import Any
 
@@ -16,6 +17,7 @@ from distlocks.backends.base import check_wait
 from distlocks.exceptions import LockLost, LockNotAcquired, LockNotOwned
 from distlocks.handler import DEFAULT_ALIAS
 from distlocks.lock import _DEFAULT, DistributedLock, LockAPI
+from distlocks.owner import acting_as, current_owner
 
 
 def check_names(names: Any) -> tuple[str, ...]:
@@ -95,18 +97,28 @@ class MultiLock(LockAPI):
         wait = self.wait if wait is _DEFAULT else check_wait(wait)
         deadline = None if wait is None else time.monotonic() + wait
         taken: list[DistributedLock] = []
+        owner = current_owner()
+        if not owner.task:  # shown by the admin and the commands: these locks are taken together
+            owner = dataclasses.replace(owner, task=f"multi={len(self.locks)}")
         try:
-            for lk in self.locks:
-                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-                if not lk.acquire(wait=remaining):
-                    self._release_all(taken)
-                    return False
-                taken.append(lk)
+            with acting_as(owner):
+                self._take_all(taken, deadline)
         except BaseException:
             with contextlib.suppress(Exception):
                 self._release_all(taken)
             raise
+        if len(taken) < len(self.locks):
+            self._release_all(taken)
+            return False
         return True
+
+    def _take_all(self, taken: list[DistributedLock], deadline: float | None) -> None:
+        """Take the members in order until one is not taken in time, appending each to ``taken``."""
+        for lk in self.locks:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not lk.acquire(wait=remaining):
+                return
+            taken.append(lk)
 
     def release(self) -> None:
         """Release one hold of every member, the last taken first.

@@ -105,7 +105,7 @@ class _Renewer:
 
         started = time.monotonic()
         try:
-            renewed = locks[hold.alias].extend(hold.key, hold.owner, hold.ttl)
+            renewed = hold.lock_class.primitives(locks[hold.alias]).extend(hold.key, hold.owner, hold.ttl)
         except Exception as exc:
             logger.warning("Could not renew lock %r on %r, retrying: %s", hold.name, hold.alias, exc)
             return time.monotonic() + min(RETRY_INTERVAL, hold.ttl / 10)  # until the lease ends
@@ -124,7 +124,7 @@ def _drop(hold: Hold) -> None:
     from distlocks.handler import locks
 
     try:
-        locks[hold.alias].drop(hold.key, hold.owner)  # the session outlives the thread
+        hold.lock_class.primitives(locks[hold.alias]).drop(hold.key, hold.owner)  # the session outlives the thread
     except Exception as exc:
         logger.warning("Could not release lock %r on %r of an ended thread: %s", hold.name, hold.alias, exc)
 

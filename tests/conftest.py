@@ -137,7 +137,7 @@ def leave_nothing(alias, name):
 
     for info in held_locks([alias]).locks:
         if name in info.name:
-            force_release(alias, info.name)
+            force_release(alias, info.name, kind=info.kind)
 
 
 @pytest.fixture

@@ -145,6 +145,64 @@ def take_permit(alias: str, name: str, permits: str, wait: str) -> None:
     semaphore.release()
 
 
+def rw_side(alias: str, name: str, mode: str, ttl: float = 5, wait: float = 30) -> distlocks.DistributedLock:
+    rw = distlocks.read_write_lock(name, using=alias, ttl=ttl, wait=wait)
+    return rw.read() if mode == "read" else rw.write()
+
+
+def read_together(alias: str, name: str, readers: str, folder: str) -> None:
+    """Take the read side, then wait (holding it) until ``readers`` processes say in ``folder`` they hold it too."""
+    side = rw_side(alias, name, "read")
+    if not side.acquire():
+        say("busy")
+        return
+    Path(folder, str(os.getpid())).touch()
+    deadline = time.monotonic() + 60
+    while len(os.listdir(folder)) < int(readers) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    say("together" if len(os.listdir(folder)) >= int(readers) else "alone")
+    side.release()
+
+
+def rw_guarded(alias: str, name: str, mode: str, seconds: str, pause: str, log: str) -> None:
+    """Take the ``mode`` side in a loop for ``seconds``, holding it ``pause`` seconds, logging entries and exits."""
+    side = rw_side(alias, name, mode)
+    deadline = time.monotonic() + float(seconds)
+    taken = timeouts = 0
+    with open(log, "a") as events:
+        while time.monotonic() < deadline:
+            if not side.acquire():
+                timeouts += 1
+                continue
+            events.write(f"enter {mode} {os.getpid()} {time.monotonic():.6f} {side.token}\n")
+            events.flush()
+            time.sleep(float(pause))
+            events.write(f"exit {mode} {os.getpid()} {time.monotonic():.6f}\n")
+            events.flush()
+            side.release()
+            taken += 1
+    say("done", taken, timeouts)
+
+
+def rw_hold(alias: str, name: str, mode: str, ttl: str) -> None:
+    """Take the ``mode`` side and keep it until killed."""
+    side = rw_side(alias, name, mode, ttl=float(ttl), wait=60)
+    side.acquire()
+    say("acquired", side.token)
+    time.sleep(3600)
+
+
+def rw_take(alias: str, name: str, mode: str, wait: str) -> None:
+    """Try to take the ``mode`` side within ``wait`` seconds; report its token and how long it took, or "busy"."""
+    side = rw_side(alias, name, mode, ttl=30, wait=float(wait))
+    started = time.monotonic()
+    if not side.acquire():
+        say("busy")
+        return
+    say("acquired", side.token, f"{time.monotonic() - started:.3f}")
+    side.release()
+
+
 def fork(alias: str, name: str) -> None:
     """Hold a lock, fork (as gunicorn and Celery prefork do), and lock again in the child."""
     import warnings
@@ -295,6 +353,10 @@ if __name__ == "__main__":
         "hold": hold,
         "hold_until_lost": hold_until_lost,
         "queue_and_fork": queue_and_fork,
+        "read_together": read_together,
+        "rw_guarded": rw_guarded,
+        "rw_hold": rw_hold,
+        "rw_take": rw_take,
         "take": take,
         "take_when": take_when,
         "take_permit": take_permit,

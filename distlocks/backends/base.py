@@ -45,6 +45,8 @@ class LockInfo:
     acquired_at: datetime | None = None
     expires_at: datetime | None = None
     waiters: int | None = None
+    #: What kind of lock: "lock", "semaphore", "multi", "read" or "write" (a read-write lock's side).
+    kind: str = "lock"
 
     def lease_left(self, now: datetime | None = None) -> float | None:
         """Seconds until the lease runs out (None: the backend has no lease, like ZooKeeper)."""
@@ -64,6 +66,7 @@ class LockInfo:
             "expires_at": self.expires_at.isoformat() if self.expires_at else None,
             "lease_left": self.lease_left(now),
             "waiters": self.waiters,
+            "kind": self.kind,
         }
 
 
@@ -154,6 +157,55 @@ class BaseLockBackend:
 
     def end_wait(self, key: str, acquired: bool) -> None:
         """Forget this thread's attempt on ``key``: it ``acquired`` the lock, or gave up."""
+
+    # -- read-write locks (see distlocks.rwlock): ``mode`` is "read" or "write" ---------
+
+    #: True if the backend provides the ``rw_*`` primitives below.
+    rw_supported = False
+
+    def rw_acquire(self, key: str, owner: Owner, ttl: float, mode: str) -> int | None:
+        """Take the ``mode`` side of the read-write lock ``key`` once; return a new fencing token, or None.
+
+        A reader gets it unless a writer holds it (the owner itself: a
+        downgrade) or waits for it; a writer unless anyone else holds it. A
+        writer between ``rw_begin_wait`` and ``rw_end_wait`` that does not get
+        it is recorded as waiting (with a lease of ``ttl``), which blocks new readers.
+        """
+        raise NotImplementedError(f"the {self.alias!r} backend ({type(self).__name__}) has no read-write locks")
+
+    def rw_reenter(self, key: str, owner: Owner, ttl: float, mode: str) -> bool:
+        """Count one more hold of the ``mode`` side and renew it; False if ``owner`` no longer holds it."""
+        raise NotImplementedError(f"the {self.alias!r} backend ({type(self).__name__}) has no read-write locks")
+
+    def rw_release(self, key: str, owner: Owner, mode: str) -> bool:
+        """Drop one hold of the ``mode`` side, freeing it at zero; False if ``owner`` has no live lease."""
+        raise NotImplementedError(f"the {self.alias!r} backend ({type(self).__name__}) has no read-write locks")
+
+    def rw_extend(self, key: str, owner: Owner, ttl: float, mode: str) -> bool:
+        """Renew ``owner``'s lease of the ``mode`` side for ``ttl`` seconds; False if it has none."""
+        raise NotImplementedError(f"the {self.alias!r} backend ({type(self).__name__}) has no read-write locks")
+
+    def rw_wait(self, key: str, mode: str, attempt: int, remaining: float | None) -> None:
+        """Block until the ``mode`` side may be free, at most ``remaining`` seconds (default: back off)."""
+        BaseLockBackend.wait(self, key, attempt, remaining)
+
+    def rw_begin_wait(self, key: str, mode: str) -> None:
+        """An acquire of the ``mode`` side that may wait begins (a writer is then recorded as waiting)."""
+
+    def rw_end_wait(self, key: str, mode: str, acquired: bool) -> None:
+        """The acquire of the ``mode`` side ends: forget a writer's waiting record if it gave up."""
+
+    def rw_drop(self, key: str, owner: Owner, mode: str) -> bool:
+        """Free ``owner``'s hold of the ``mode`` side whatever its count (session-bound backends; see ``drop``)."""
+        return False
+
+    def rw_force_release(self, key: str, token: int | None = None) -> bool:
+        """Free a holder of the read-write lock ``key`` (with ``token``: only that acquisition); False if none."""
+        raise NotImplementedError(f"the {self.alias!r} backend ({type(self).__name__}) has no read-write locks")
+
+    def rw_holder(self, key: str, mode: str) -> LockInfo | None:
+        """A holder of the ``mode`` side of ``key`` right now (a writer, or one of the readers), else None."""
+        return next((info for info in self.held() if info.name == key and info.kind == mode), None)
 
     def holder(self, key: str) -> LockInfo | None:
         """The lock stored as ``key`` if it is held right now, else None.

@@ -18,11 +18,12 @@ child's), and its tokens go on from the parent's.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -40,6 +41,30 @@ class _Held:
     count: int = 1
 
 
+@dataclass
+class _ReadWrite:
+    """A read-write lock: its writer, its readers and the writers waiting for it, by owner secret."""
+
+    writer: _Held | None = None
+    readers: dict[str, _Held] = field(default_factory=dict)
+    waiting: dict[str, float] = field(default_factory=dict)  # secret -> until when (monotonic)
+
+    def prune(self, now: float) -> None:
+        """Forget expired holds and waiting records."""
+        if self.writer is not None and self.writer.expires <= now:
+            self.writer = None
+        for secret in [secret for secret, held in self.readers.items() if held.expires <= now]:
+            del self.readers[secret]
+        for secret in [secret for secret, until in self.waiting.items() if until <= now]:
+            del self.waiting[secret]
+
+    def side(self, mode: str) -> dict[str, _Held]:
+        """The holds of the ``mode`` side, by owner secret."""
+        if mode == "read":
+            return self.readers
+        return {} if self.writer is None else {self.writer.secret: self.writer}
+
+
 class _Store:
     """One named store: held locks, fencing counters and waiters, behind one mutex."""
 
@@ -48,6 +73,11 @@ class _Store:
         self.held: dict[str, _Held] = {}
         self.last_token: dict[str, int] = {}
         self.waiters: dict[str, int] = {}
+        self.rw: dict[str, _ReadWrite] = {}
+
+    def token(self, key: str) -> int:
+        token = self.last_token[key] = self.last_token.get(key, 0) + 1
+        return token
 
     def live(self, key: str, now: float) -> _Held | None:
         held = self.held.get(key)
@@ -108,6 +138,8 @@ class LocMemBackend(BaseLockBackend):
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         super().__init__(alias, params)
         self.store_name = self.location or alias
+        # This thread's read-write acquires that may wait: key -> the secret a waiting writer was recorded with.
+        self._rw_waiting: dict[str, str] = {}
 
     @property
     def _store(self) -> _Store:
@@ -189,6 +221,7 @@ class LocMemBackend(BaseLockBackend):
             now = time.monotonic()
             found = [self._info(store, key, held, now) for key, held in store.held.items() if held.expires > now]
         yield from found
+        yield from self.rw_held()
 
     def _info(self, store: _Store, key: str, held: _Held, now: float) -> LockInfo:
         return LockInfo(
@@ -217,10 +250,146 @@ class LocMemBackend(BaseLockBackend):
         with store.locked:
             now = time.monotonic()
             expired = [key for key, held in store.held.items() if held.expires <= now]
+            gone = [key for key, rw in store.rw.items() if not rw.writer and not rw.readers and not rw.waiting]
+            for key, rw in store.rw.items():
+                holds = [rw.writer, *rw.readers.values()] if rw.writer else list(rw.readers.values())
+                found = sum(held.expires <= now for held in holds) + sum(until <= now for until in rw.waiting.values())
+                expired.extend([key] * found)
+                if found and not dry_run:
+                    rw.prune(now)
+                    if not rw.writer and not rw.readers and not rw.waiting:
+                        gone.append(key)
             if not dry_run:
                 for key in expired:
-                    del store.held[key]
+                    store.held.pop(key, None)
+                for key in gone:
+                    store.rw.pop(key, None)
             return len(expired)
+
+    # -- read-write locks ------------------------------------------------------
+
+    rw_supported = True
+
+    def _rw(self, store: _Store, key: str, now: float) -> _ReadWrite:
+        rw = store.rw.get(key)
+        if rw is None:
+            rw = store.rw[key] = _ReadWrite()
+        rw.prune(now)
+        return rw
+
+    def rw_acquire(self, key: str, owner: Owner, ttl: float, mode: str) -> int | None:
+        store = self._store
+        with store.locked:
+            now = time.monotonic()
+            rw = self._rw(store, key, now)
+            mine = rw.writer is not None and rw.writer.secret == owner.secret
+            if mode == "read":
+                free = mine or (rw.writer is None and not rw.waiting)
+            else:
+                free = rw.writer is None and not rw.readers
+                if free and any(secret != owner.secret for secret in rw.waiting):
+                    # Writers queue in the order they first waited (dicts keep it).
+                    free = next(iter(rw.waiting)) == owner.secret
+            if not free:
+                if mode == "write" and key in self._rw_waiting:
+                    rw.waiting[owner.secret] = now + ttl
+                    self._rw_waiting[key] = owner.secret
+                return None
+            held = _Held(owner.secret, owner.description, store.token(key), datetime.now(timezone.utc), now + ttl)
+            if mode == "read":
+                rw.readers[owner.secret] = held
+            else:
+                rw.waiting.pop(owner.secret, None)
+                rw.writer = held
+            return held.token
+
+    def rw_reenter(self, key: str, owner: Owner, ttl: float, mode: str) -> bool:
+        return self._rw_renew(key, owner, ttl, mode, more=1)
+
+    def rw_extend(self, key: str, owner: Owner, ttl: float, mode: str) -> bool:
+        return self._rw_renew(key, owner, ttl, mode, more=0)
+
+    def _rw_renew(self, key: str, owner: Owner, ttl: float, mode: str, more: int) -> bool:
+        store = self._store
+        with store.locked:
+            now = time.monotonic()
+            held = self._rw(store, key, now).side(mode).get(owner.secret)
+            if held is None:
+                return False
+            held.count += more
+            held.expires = now + ttl
+            return True
+
+    def rw_release(self, key: str, owner: Owner, mode: str) -> bool:
+        store = self._store
+        with store.locked:
+            rw = self._rw(store, key, time.monotonic())
+            held = rw.side(mode).get(owner.secret)
+            if held is None:
+                store.locked.notify_all()  # an expired lease was pruned: waiters may go
+                return False
+            held.count -= 1
+            if held.count == 0:
+                if mode == "read":
+                    del rw.readers[owner.secret]
+                else:
+                    rw.writer = None
+                store.locked.notify_all()
+            return True
+
+    def rw_begin_wait(self, key: str, mode: str) -> None:
+        self._rw_waiting[key] = ""
+
+    def rw_end_wait(self, key: str, mode: str, acquired: bool) -> None:
+        secret = self._rw_waiting.pop(key, "")
+        if secret and not acquired:
+            store = self._store
+            with store.locked:
+                rw = store.rw.get(key)
+                if rw is not None and rw.waiting.pop(secret, None) is not None:
+                    store.locked.notify_all()  # readers it blocked may go
+
+    def rw_wait(self, key: str, mode: str, attempt: int, remaining: float | None) -> None:
+        """Sleep until a release or a change of waiters, at most ``remaining`` seconds (or the next lease's end)."""
+        store = self._store
+        with store.locked:
+            rw = self._rw(store, key, time.monotonic())
+            ends = [held.expires for held in [*rw.side("write").values(), *rw.readers.values()]]
+            ends.extend(rw.waiting.values())
+            timeout = min(ends, default=time.monotonic()) - time.monotonic()
+            timeout = max(0.001, timeout if remaining is None else min(timeout, remaining))
+            store.locked.wait(min(timeout, 1.0))
+
+    def rw_held(self) -> list[LockInfo]:
+        store = self._store
+        with store.locked:
+            now = time.monotonic()
+            found = []
+            for key, rw in store.rw.items():
+                rw.prune(now)
+                for mode in ("write", "read"):
+                    for held in rw.side(mode).values():
+                        info = self._info(store, key, held, now)
+                        found.append(dataclasses.replace(info, kind=mode, waiters=len(rw.waiting)))
+            return found
+
+    def rw_force_release(self, key: str, token: int | None = None) -> bool:
+        store = self._store
+        with store.locked:
+            rw = store.rw.get(key)
+            if rw is None:
+                return False
+            rw.prune(time.monotonic())
+            for mode in ("write", "read"):
+                for secret, held in rw.side(mode).items():
+                    if token is None or held.token == token:
+                        if mode == "read":
+                            del rw.readers[secret]
+                        else:
+                            rw.writer = None
+                        store.locked.notify_all()
+                        return True
+            return False
 
     def expire(self, key: str) -> int | None:
         """End the lease of ``key`` now, as if its holder had not renewed it in time; return its token.

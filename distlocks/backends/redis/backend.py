@@ -14,6 +14,7 @@ from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 
 from distlocks.backends.base import BaseLockBackend, LockInfo
+from distlocks.backends.redis import rwscripts
 from distlocks.backends.redis.handover import Releases, Waiter, releases_for
 from distlocks.backends.redis.keys import key_of, lock_hash, lock_keys
 from distlocks.backends.redis.scripts import registered
@@ -55,6 +56,9 @@ class RedisBackend(BaseLockBackend):
         self._client_scripts: dict[str, Any] | None = None
         self._process_releases: Releases | None = None
         self._waited_at = -math.inf
+        self._rw_scripts: dict[str, Any] | None = None
+        # This thread's read-write acquires that may wait: key -> the secret of a writer recorded as waiting.
+        self._rw_waiting: dict[str, str] = {}
 
     @property
     def client(self) -> Any:
@@ -205,11 +209,92 @@ class RedisBackend(BaseLockBackend):
                 self._call("abandon", self._keys(key), [waiter.id, waiter.entry])
         self._releases().discharge(waiter)
 
+    # -- read-write locks (see rwscripts) ----------------------------------------
+
+    rw_supported = True
+
+    def _rw_call(self, script: str, key: str, args: list[Any]) -> Any:
+        scripts = self._rw_scripts
+        if scripts is None:
+            client = self.client
+            self._inspect(client)
+            scripts = self._rw_scripts = rwscripts.registered(client)
+        rw_hash = f"{lock_hash(key)}:rw"
+        try:
+            return scripts[script](keys=[rw_hash, f"{rw_hash}:fence", f"{rw_hash}:wait"], args=args)
+        except connection_errors() as exc:
+            raise self._unavailable(exc) from exc
+
+    def rw_acquire(self, key: str, owner: Owner, ttl: float, mode: str) -> int | None:
+        args = [owner.secret, self._ms(ttl), mode, _info(owner)]
+        waits = mode == "write" and key in self._rw_waiting
+        if waits:
+            args.append("waits")
+        token = int(self._rw_call("rw_acquire", key, args))
+        if token:
+            return token
+        if waits:
+            self._rw_waiting[key] = owner.secret
+        return None
+
+    def rw_reenter(self, key: str, owner: Owner, ttl: float, mode: str) -> bool:
+        return bool(self._rw_call("rw_renew", key, [owner.secret, self._ms(ttl), mode, 1]))
+
+    def rw_extend(self, key: str, owner: Owner, ttl: float, mode: str) -> bool:
+        return bool(self._rw_call("rw_renew", key, [owner.secret, self._ms(ttl), mode, 0]))
+
+    def rw_release(self, key: str, owner: Owner, mode: str) -> bool:
+        return int(self._rw_call("rw_release", key, [owner.secret, mode])) >= 0
+
+    def rw_begin_wait(self, key: str, mode: str) -> None:
+        self._rw_waiting[key] = ""
+
+    def rw_end_wait(self, key: str, mode: str, acquired: bool) -> None:
+        secret = self._rw_waiting.pop(key, "")
+        if secret and not acquired:
+            # Else readers wait for it until its record's lease runs out.
+            with contextlib.suppress(BackendUnavailable):
+                self._rw_call("rw_abandon", key, [secret])
+
+    def rw_force_release(self, key: str, token: int | None = None) -> bool:
+        return bool(self._rw_call("rw_force_release", key, ["" if token is None else str(token)]))
+
+    def _rw_held(self) -> Iterator[LockInfo]:
+        client = self.client
+        for raw in client.scan_iter(match="distlocks:{*}:rw", count=500):
+            rw_hash = raw.decode() if isinstance(raw, bytes) else raw
+            fields = {k.decode(): v.decode() for k, v in client.hgetall(rw_hash).items()}
+            now = datetime.now(timezone.utc)
+            clock = time.time() * 1000
+            waiting = sum(1 for field, ends in fields.items() if field.startswith("q:") and int(ends) > clock)
+            holds: list[tuple[str, int, int, int, str]] = []
+            if "w" in fields and int(fields["we"]) > clock:
+                holds.append(("write", int(fields["we"]), int(fields["wc"]), int(fields["wt"]), fields["wi"]))
+            for field, entry in fields.items():
+                if field.startswith("r:"):
+                    ends, count, token, info = entry.split(" ", 3)
+                    if int(ends) > clock:
+                        holds.append(("read", int(ends), int(count), int(token), info))
+            for mode, ends, count, token, info in holds:
+                acquired, _, owner = info.partition(" ")
+                yield LockInfo(
+                    alias=self.alias,
+                    name=key_of(rw_hash[: -len(":rw")]),
+                    owner=owner,
+                    hold_count=count,
+                    token=token,
+                    acquired_at=datetime.fromtimestamp(int(acquired), timezone.utc) if acquired.isdigit() else None,
+                    expires_at=now + timedelta(milliseconds=ends - clock),
+                    waiters=waiting,
+                    kind=mode,
+                )
+
     # -- inspection and maintenance --------------------------------------------
 
     def held(self) -> Iterator[LockInfo]:
         with self._reaching():
             yield from self._held()
+            yield from self._rw_held()
 
     def _held(self) -> Iterator[LockInfo]:
         for raw in self.client.scan_iter(match="distlocks:{*}", count=500):

@@ -1,0 +1,231 @@
+"""The read-write lock on every backend that has one: many readers or one writer, across processes."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+import distlocks
+from distlocks.inspection import force_release, held_locks
+
+from .conftest import DB
+from .test_lock import in_thread
+
+pytestmark = DB
+RW_ALIASES = ["redis", "zookeeper", "locmem"]
+# Backends that lock across processes (LocMem keeps its locks in one process).
+RW_PROCESS_ALIASES = [alias for alias in RW_ALIASES if alias != "locmem"]
+# Backends without read-write locks: they say so when one is made.
+NO_RW_ALIASES = ["mariadb_native", "postgresql_native", "redlock"]
+
+
+def intervals(log):
+    """Each process's holds from the events of ``tests.worker rw_guarded``: (start, end, mode, pid, token)."""
+    entered = {}
+    held = []
+    for line in log.read_text().splitlines():
+        event, mode, pid, at, *token = line.split()
+        if event == "enter":
+            entered[pid] = (float(at), mode, int(token[0]))
+        else:
+            start, mode, token_ = entered.pop(pid)
+            held.append((start, float(at), mode, pid, token_))
+    return sorted(held)
+
+
+def overlaps(held):
+    """The pairs of holds by two processes that were inside at once."""
+    return [
+        (first, second)
+        for i, first in enumerate(held)
+        for second in held[i + 1 :]
+        if second[0] < first[1] and first[3] != second[3]
+    ]
+
+
+def side(alias, name, mode, **kwargs):
+    rw = distlocks.read_write_lock(name, using=alias, **kwargs)
+    return rw.read() if mode == "read" else rw.write()
+
+
+def takes(alias, name, mode, wait=0):
+    """Whether another thread gets the ``mode`` side within ``wait`` seconds (it gives it back at once)."""
+
+    def take():
+        taken = side(alias, name, mode).acquire(wait=wait)
+        if taken:
+            side(alias, name, mode).release()
+        return taken
+
+    return in_thread(take)
+
+
+@pytest.mark.parametrize("alias", RW_PROCESS_ALIASES, indirect=True)
+def test_readers_are_inside_together_across_processes(alias, leave_nothing, name, workers, tmp_path):
+    folder = tmp_path / "inside"
+    folder.mkdir()
+    readers = [workers("read_together", alias, name, 4, folder) for _ in range(4)]
+    # Each reader holds the read side until all four say they hold it: only if they overlap do they all get in.
+    assert [reader.finish() for reader in readers] == [["together"]] * 4
+
+
+@pytest.mark.parametrize("alias", RW_PROCESS_ALIASES, indirect=True)
+def test_a_writer_excludes_readers_and_writers_across_processes(alias, leave_nothing, name, workers, tmp_path):
+    log = tmp_path / "events"
+    running = [workers("rw_guarded", alias, name, "write", 4, 0.01, log) for _ in range(2)]
+    running += [workers("rw_guarded", alias, name, "read", 4, 0.02, log) for _ in range(3)]
+    results = [worker.finish() for worker in running]
+    held = intervals(log)
+    both = overlaps(held)
+    assert [pair for pair in both if "write" in (pair[0][2], pair[1][2])] == []
+    assert any(pair[0][2] == pair[1][2] == "read" for pair in both)  # the readers did share it
+    writes = [token for _, _, mode, _, token in held if mode == "write"]
+    assert writes == sorted(writes)
+    assert len(set(writes)) == len(writes)
+    for done, taken, timeouts in results:
+        assert done == "done"
+        assert int(taken) > 0
+        assert int(timeouts) == 0
+
+
+@pytest.mark.parametrize("alias", RW_PROCESS_ALIASES, indirect=True)
+def test_a_stream_of_readers_does_not_starve_a_writer(alias, leave_nothing, name, workers, tmp_path):
+    log = tmp_path / "events"
+    # Three readers that each hold the read side 0.2 s and take it again at once: some reader
+    # is always inside, so a writer that waited for none to be inside would wait until they stop.
+    readers = [workers("rw_guarded", alias, name, "read", 12, 0.2, log) for _ in range(3)]
+    while len(log.read_text().splitlines()) < 6 if log.exists() else True:
+        time.sleep(0.05)
+    answer = workers("rw_take", alias, name, "write", 8).finish()
+    assert answer[0] == "acquired"
+    assert float(answer[2]) < 8
+    for reader in readers:
+        reader.kill()
+
+
+@pytest.mark.parametrize("alias", RW_PROCESS_ALIASES, indirect=True)
+@pytest.mark.parametrize(("killed", "then"), [("read", "write"), ("write", "read"), ("write", "write")])
+def test_a_sigkilled_holders_side_frees_itself(alias, leave_nothing, name, workers, killed, then):
+    holder = workers("rw_hold", alias, name, killed, 1)
+    token = int(holder.line()[1])
+    assert workers("rw_take", alias, name, then, 0).finish() == ["busy"]
+    holder.kill()
+    answer = workers("rw_take", alias, name, then, 20).finish()
+    assert answer[0] == "acquired"
+    assert int(answer[1]) > token
+
+
+@pytest.mark.parametrize("alias", RW_ALIASES, indirect=True)
+def test_the_lock_api_on_both_sides(alias, leave_nothing, name):
+    rw = distlocks.read_write_lock(name, using=alias, wait=0)
+    reading, writing = rw.read(), rw.write()
+    with pytest.raises(distlocks.LockNotOwned):
+        reading.token  # noqa: B018
+    with reading as held:
+        assert held is reading
+        with reading:  # reentrant
+            assert reading.hold_count == 2
+        assert takes(alias, name, "read", 0)
+        assert takes(alias, name, "write", 0.2) is False
+        shown = [info for info in held_locks([alias]).locks if info.name.endswith(f"rw:{name}")]
+        assert [(info.kind, info.token, info.hold_count) for info in shown] == [("read", reading.token, 1)]
+    with writing:
+        assert takes(alias, name, "read", 0.2) is False
+        assert takes(alias, name, "write", 0) is False
+        shown = [info for info in held_locks([alias]).locks if info.name.endswith(f"rw:{name}")]
+        assert [(info.kind, info.token) for info in shown] == [("write", writing.token)]
+    with pytest.raises(distlocks.LockNotOwned):
+        writing.release()
+
+    @rw.read()
+    def inside():
+        return reading.hold_count
+
+    assert inside() == 1
+
+
+@pytest.mark.parametrize("alias", RW_ALIASES, indirect=True)
+def test_the_writer_may_read_and_a_reader_may_not_write(alias, leave_nothing, name):
+    rw = distlocks.read_write_lock(name, using=alias, wait=0)
+    with rw.write():
+        with rw.read():  # downgrade: the writer reads too
+            assert rw.read().token > rw.write().token
+        assert rw.read().acquire()
+    # Write side released: the thread goes on reading, and others may read with it.
+    assert takes(alias, name, "read", 0)
+    with pytest.raises(ValueError, match="holds its read side"):
+        rw.write().acquire()
+    rw.read().release()
+    assert rw.write().acquire()
+    rw.write().release()
+
+
+@pytest.mark.parametrize("alias", RW_ALIASES, indirect=True)
+def test_a_waiting_writer_blocks_new_readers_until_it_gives_up(alias, leave_nothing, name):
+    rw = distlocks.read_write_lock(name, using=alias)
+    assert rw.read().acquire(wait=0)
+    waiting = threading.Event()
+    outcome = []
+
+    def writer():
+        waiting.set()
+        outcome.append(side(alias, name, "write").acquire(wait=3))
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    waiting.wait(10)
+    # A new reader is refused while the writer waits (it asks for a second: the writer waits 3 s).
+    deadline = time.monotonic() + 2
+    refused = False
+    while not refused and time.monotonic() < deadline:
+        refused = not takes(alias, name, "read", 0)
+    assert refused
+    thread.join(30)
+    assert outcome == [False]  # the reader still holds it
+    # The writer gave up: readers come in again at once.
+    assert takes(alias, name, "read", 0)
+    rw.read().release()
+
+
+@pytest.mark.parametrize("alias", RW_ALIASES, indirect=True)
+def test_a_force_released_reader_finds_its_hold_lost(alias, leave_nothing, name):
+    rw = distlocks.read_write_lock(name, using=alias, ttl=1.5, wait=0)
+    for mode in ("read", "write"):
+        held = rw.read() if mode == "read" else rw.write()
+        assert held.acquire()
+        assert force_release(alias, distlocks.handler.locks[alias].make_key(f"rw:{name}"), held.token, kind=mode)
+        deadline = time.monotonic() + 20
+        while not held.lost and time.monotonic() < deadline:  # the watchdog's next renewal finds it gone
+            time.sleep(0.02)
+        assert held.lost
+        with pytest.raises(distlocks.LockLost):
+            held.release()
+        assert held.acquire()  # free again
+        held.release()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"name": ""}, "name"),
+        ({"name": 7}, "name"),
+        ({"ttl": 0}, "ttl"),
+        ({"wait": -1}, "wait"),
+        ({"using": 3}, "using"),
+    ],
+)
+def test_bad_arguments_name_themselves(kwargs, named):
+    arguments = {"name": "doc", "using": "locmem", **kwargs}
+    with pytest.raises(ValueError, match=named):
+        distlocks.read_write_lock(arguments.pop("name"), **arguments)
+    rw = distlocks.read_write_lock("doc", using="locmem")
+    with pytest.raises(ValueError, match="wait"):
+        rw.read().acquire(wait=-1)
+
+
+@pytest.mark.parametrize("backend", NO_RW_ALIASES)
+def test_backends_without_read_write_locks_say_so(backend):
+    with pytest.raises(NotImplementedError, match=backend):
+        distlocks.read_write_lock("doc", using=backend)
