@@ -229,3 +229,32 @@ def test_bad_arguments_name_themselves(kwargs, named):
 def test_backends_without_read_write_locks_say_so(backend):
     with pytest.raises(NotImplementedError, match=backend):
         distlocks.read_write_lock("doc", using=backend)
+
+
+@pytest.mark.parametrize("alias", RW_ALIASES, indirect=True)
+def test_a_downgrade_passes_a_waiting_writer_which_then_waits_for_it(alias, leave_nothing, name):
+    rw = distlocks.read_write_lock(name, using=alias, wait=0)
+    assert rw.write().acquire()
+    waiting = threading.Event()
+    outcome = []
+
+    def writer():
+        waiting.set()
+        other = side(alias, name, "write")
+        outcome.append(other.acquire(wait=30))
+        outcome.append(time.monotonic())
+        other.release()
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    waiting.wait(10)
+    time.sleep(0.3)  # let it queue: the downgrade must not wait behind it either way
+    assert rw.read().acquire()  # the write holder reads at once
+    rw.write().release()
+    assert not outcome  # still reading: the other writer waits
+    assert takes(alias, name, "write", 0.5) is False
+    released = time.monotonic()
+    rw.read().release()
+    thread.join(30)
+    assert outcome[0] is True
+    assert outcome[1] >= released

@@ -12,7 +12,16 @@ from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 
 from distlocks.backends.base import BaseLockBackend, LockInfo, check_positive_number
-from distlocks.backends.zookeeper.nodes import escape, new_mark, queue, sequence, unescape
+from distlocks.backends.zookeeper.nodes import (
+    escape,
+    new_mark,
+    new_rw_mark,
+    queue,
+    rw_blockers,
+    rw_queue,
+    sequence,
+    unescape,
+)
 from distlocks.backends.zookeeper.session import Session, shared_session
 from distlocks.exceptions import BackendUnavailable
 from distlocks.owner import Owner
@@ -94,13 +103,13 @@ class ZooKeeperBackend(BaseLockBackend):
             session.held[key, owner.secret] = [node, 1]
         return token
 
-    def _create(self, key: str, owner: Owner) -> tuple[str, int]:
+    def _create(self, key: str, owner: Owner, mark: str | None = None) -> tuple[str, int]:
         """Create our node; if we cannot tell whether it was created, have it deleted.
 
         The node's name carries a random id (as kazoo's recipe does), so that a
         create whose answer was lost is neither doubled nor left behind.
         """
-        mark = new_mark()
+        mark = mark or new_mark()
         try:
             # The create's own answer carries the node's zxid: no extra request for the token.
             path, stat = self._request(
@@ -284,6 +293,115 @@ class ZooKeeperBackend(BaseLockBackend):
             except (NoNodeError, BadVersionError):
                 continue  # deleted or written meanwhile: look again
 
+    # -- read-write locks: kazoo's ReadLock/WriteLock recipe --------------------
+    #
+    # Under the lock's parent node each acquire queues an ephemeral sequential
+    # node, "read-..." or "write-...". A reader holds the lock once no writer is
+    # queued before it, a writer once no node is: so a writer that queued
+    # blocks the readers that come after it. The write holder's reads queue as
+    # "downgrade-...", held at once, and later writers wait for them too. A
+    # thread's hold of one side is kept, as the lock's, under "<key>#<mode>".
+
+    rw_supported = True
+
+    def rw_acquire(self, key: str, owner: Owner, ttl: float, mode: str) -> int | None:
+        hold = f"{key}#{mode}"
+        session = self._session()
+        if hold not in self._queued:
+            with session.lock:
+                writing = mode == "read" and (f"{key}#write", owner.secret) in session.held
+            self._queued[hold] = self._create(key, owner, new_rw_mark("downgrade" if writing else mode))
+        node, token = self._queued[hold]
+        children = rw_queue(self._request("get_children", self._parent(key)))
+        mine = node.rsplit("/", 1)[1]
+        if mine not in children:
+            # Gone with a lost session: queue again, at the back.
+            node, token = self._queued[hold] = self._create(key, owner, new_rw_mark(mine.partition("-")[0]))
+            mine = node.rsplit("/", 1)[1]
+            children = rw_queue(self._request("get_children", self._parent(key)))
+        if rw_blockers(children, mine):
+            return None
+        del self._queued[hold]
+        with session.lock:
+            session.held[hold, owner.secret] = [node, 1]
+        return token
+
+    def rw_wait(self, key: str, mode: str, attempt: int, remaining: float | None) -> None:
+        """Wait for the deletion of the last node that keeps ours waiting (at most ``remaining`` seconds)."""
+        queued = self._queued.get(f"{key}#{mode}")
+        if queued is None:
+            return
+        children = rw_queue(self._request("get_children", self._parent(key)))
+        mine = queued[0].rsplit("/", 1)[1]
+        if mine not in children:
+            return  # gone with a lost session: the next attempt queues again
+        blockers = rw_blockers(children, mine)
+        if not blockers:
+            return
+        gone = threading.Event()
+        if self._request("exists", f"{self._parent(key)}/{blockers[-1]}", watch=lambda event: gone.set()) is None:
+            return
+        gone.wait(1.0 if remaining is None else min(remaining, 1.0))
+
+    def rw_end_wait(self, key: str, mode: str, acquired: bool) -> None:
+        self.end_wait(f"{key}#{mode}", acquired)
+
+    def rw_reenter(self, key: str, owner: Owner, ttl: float, mode: str) -> bool:
+        return self.reenter(f"{key}#{mode}", owner, ttl)
+
+    def rw_release(self, key: str, owner: Owner, mode: str) -> bool:
+        return self.release(f"{key}#{mode}", owner)
+
+    def rw_extend(self, key: str, owner: Owner, ttl: float, mode: str) -> bool:
+        return self.extend(f"{key}#{mode}", owner, ttl)
+
+    def rw_drop(self, key: str, owner: Owner, mode: str) -> bool:
+        return self.drop(f"{key}#{mode}", owner)
+
+    def _rw_held(self, escaped: str) -> list[tuple[LockInfo, str]]:
+        """The holders of the read-write lock under ``escaped``, each with its node's path."""
+        from kazoo.exceptions import NoNodeError
+
+        parent = f"{self.root}/{escaped}"
+        children = rw_queue(self._request("get_children", parent))
+        held = [child for child in children if not rw_blockers(children, child)]
+        found = []
+        for child in held:
+            try:
+                data, stat = self._request("get", f"{parent}/{child}")
+            except NoNodeError:
+                continue
+            holder, _, count = data.decode(errors="replace").rpartition("|")
+            info = LockInfo(
+                alias=self.alias,
+                name=unescape(escaped),
+                owner=holder,
+                hold_count=int(count) if count.isdigit() else 1,
+                token=int(stat.czxid),
+                acquired_at=datetime.fromtimestamp(stat.ctime / 1000, timezone.utc),
+                waiters=len(children) - len(held),
+                kind="write" if child.startswith("write-") else "read",
+            )
+            found.append((info, f"{parent}/{child}"))
+        return found
+
+    def rw_force_release(self, key: str, token: int | None = None) -> bool:
+        """Delete a holder's node: with ``token``, the one whose czxid it is (a path names one acquisition)."""
+        from kazoo.exceptions import NoNodeError
+
+        try:
+            held = self._rw_held(escape(key))
+        except NoNodeError:
+            return False
+        for info, node in sorted(held, key=lambda found: found[0].kind != "write"):
+            if token is None or info.token == token:
+                try:
+                    self._request("delete", node)
+                except NoNodeError:
+                    return False
+                return True
+        return False
+
     # -- inspection and maintenance ----------------------------------------------
 
     def _locks(self) -> list[str]:
@@ -300,6 +418,7 @@ class ZooKeeperBackend(BaseLockBackend):
         for escaped in self._locks():
             parent = f"{self.root}/{escaped}"
             try:
+                yield from (info for info, _ in self._rw_held(escaped))
                 children = queue(self._request("get_children", parent))
                 if not children:
                     continue

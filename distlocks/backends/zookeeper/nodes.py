@@ -12,6 +12,36 @@ PREFIX = "lock-"
 _OURS = re.compile(re.escape(PREFIX) + r"[0-9a-f]{32}-[0-9]{10}")
 
 
+# A read-write lock's nodes: "read-", "write-", or "downgrade-" (a read by the write holder), then as ours.
+_RW = re.compile(r"(read|write|downgrade)-[0-9a-f]{32}-[0-9]{10}")
+
+
+def new_rw_mark(kind: str) -> str:
+    """A name for our next node of a read-write lock: ``kind`` is read, write or downgrade."""
+    return f"{kind}-{uuid.uuid4().hex}-"
+
+
+def rw_queue(children: list[str]) -> list[str]:
+    """A read-write lock's nodes among its children, in queue order."""
+    return sorted((child for child in children if _RW.fullmatch(child)), key=sequence)
+
+
+def rw_blockers(children: list[str], mine: str) -> list[str]:
+    """The nodes that keep ``mine`` (one of ``children``, in queue order) waiting, the one to watch last.
+
+    A reader waits for the writers queued before it; a writer for every node
+    before it and for the readers that took the lock from its writer (the
+    "downgrade-" nodes), wherever they are queued. A downgrade waits for none.
+    """
+    kind = mine.partition("-")[0]
+    if kind == "downgrade":
+        return []
+    before = children[: children.index(mine)]
+    if kind == "read":
+        return [child for child in before if child.startswith("write-")]
+    return before + [child for child in children[children.index(mine) :] if child.startswith("downgrade-")]
+
+
 def escape(key: str) -> str:
     """The lock parent's node name for ``key``: any key is one valid node name."""
     escaped = quote(key, safe="")
