@@ -6,16 +6,20 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from distlocks.backends.base import BaseLockBackend
 from distlocks.owner import Owner
+
+if TYPE_CHECKING:
+    from distlocks.lock import DistributedLock
 
 
 @dataclass(eq=False)
 class Hold:
     """One thread's hold on one lock: shared by every lock object for that name."""
 
-    lock_class: type
+    lock_class: type[DistributedLock]
     backend: BaseLockBackend  # the holding thread's: it releases there
     alias: str
     name: str

@@ -43,7 +43,7 @@ class _Side(BaseLockBackend):
         self.mode = mode
         self.alias = backend.alias
         self.suffix = f"#{mode}"
-        self.session_bound = backend.session_bound  # type: ignore[misc]
+        self.session_bound = backend.session_bound
 
     def _key(self, key: str) -> str:
         return key[: -len(self.suffix)]
