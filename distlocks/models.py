@@ -86,3 +86,40 @@ class NativeLease(models.Model):
 
     def __str__(self) -> str:
         return self.lock_name
+
+
+class ReadWriteHold(models.Model):
+    """One hold of a read-write lock through ``DatabaseBackend``: a reader, the writer, or a waiting writer.
+
+    Each holder's row is a lease of its own, and its id is its fencing token.
+    Every change to one lock runs in a transaction that first locks the
+    lock's "gate" row (one per name, kept), so that changes to one lock run one
+    after another.
+    """
+
+    id = models.BigAutoField(primary_key=True, verbose_name=_("fencing token"))
+    lock_name = LockNameField(_("lock name"), max_length=255)
+    #: "read", "write", "waiting" (a writer that waits, which new readers let pass) or "gate".
+    mode = models.CharField(_("mode"), max_length=8)
+    owner_host = models.CharField(_("owner host"), max_length=255)
+    owner_pid = models.PositiveIntegerField(_("owner pid"))
+    owner_thread = models.CharField(_("owner thread"), max_length=255)
+    owner_secret = models.CharField(max_length=64, editable=False)
+    hold_count = models.PositiveIntegerField(_("hold count"), default=1)
+    acquired_at = models.DateTimeField(_("acquired at"))
+    expires_at = models.DateTimeField(_("expires at"), db_index=True)
+
+    class Meta:
+        db_table = "distlocks_rw_hold"
+        verbose_name = _("read-write lock hold")
+        verbose_name_plural = _("read-write lock holds")
+        constraints = [
+            models.UniqueConstraint(fields=["lock_name", "mode", "owner_secret"], name="distlocks_rw_hold_unique")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.lock_name} ({self.mode})"
+
+    @property
+    def owner(self) -> str:
+        return f"{self.owner_host}:{self.owner_pid}:{self.owner_thread}"

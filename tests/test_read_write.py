@@ -14,7 +14,7 @@ from .conftest import DB
 from .test_lock import in_thread
 
 pytestmark = DB
-RW_ALIASES = ["redis", "zookeeper", "locmem"]
+RW_ALIASES = ["default", "mariadb", "postgresql", "redis", "zookeeper", "locmem"]
 # Backends that lock across processes (LocMem keeps its locks in one process).
 RW_PROCESS_ALIASES = [alias for alias in RW_ALIASES if alias != "locmem"]
 # Backends without read-write locks: they say so when one is made.

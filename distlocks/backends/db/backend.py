@@ -16,6 +16,7 @@ from django.db.models.expressions import RawSQL
 from django.db.utils import InterfaceError
 
 from distlocks.backends.base import BaseLockBackend, LockInfo
+from distlocks.backends.db import rw
 from distlocks.backends.db.connections import (
     close_if_dropped,
     connection_options,
@@ -71,6 +72,8 @@ class DatabaseBackend(BaseLockBackend):
         self.database, self.connect_timeout, self.timeout = connection_options(alias, self.options)
         self._connection_alias = f"distlocks:{alias}"
         self._connection: BaseDatabaseWrapper | None = None
+        # This thread's read-write acquires that may wait: key -> the secret of a writer recorded as waiting.
+        self._rw_waiting: dict[str, str] = {}
 
     def make_key(self, name: str) -> str:
         """Return the key of ``name``; raise ValueError if a database cannot store it.
@@ -222,11 +225,110 @@ class DatabaseBackend(BaseLockBackend):
 
         return self._run(attempt)
 
+    # -- read-write locks (see rw) ------------------------------------------------
+
+    rw_supported = True
+
+    def rw_acquire(self, key: str, owner: Owner, ttl: float, mode: str) -> int | None:
+        waits = mode == "write" and key in self._rw_waiting
+
+        def attempt(connection: BaseDatabaseWrapper) -> int | None:
+            return rw.acquire(
+                connection, sql_for(connection).rw, sql_for(connection).lease(ttl), key, owner, mode, waits
+            )
+
+        token = self._run(attempt, when_busy=None)
+        if token is None and waits:
+            self._rw_waiting[key] = owner.secret
+        return token
+
+    def _rw_renew(self, key: str, owner: Owner, ttl: float, mode: str, statement: str) -> bool:
+        def attempt(connection: BaseDatabaseWrapper) -> bool:
+            sql = sql_for(connection)
+            return execute(connection, getattr(sql.rw, statement), [sql.lease(ttl), key, mode, owner.secret]) == 1
+
+        return self._run(attempt)
+
+    def rw_reenter(self, key: str, owner: Owner, ttl: float, mode: str) -> bool:
+        return self._rw_renew(key, owner, ttl, mode, "reenter")
+
+    def rw_extend(self, key: str, owner: Owner, ttl: float, mode: str) -> bool:
+        return self._rw_renew(key, owner, ttl, mode, "extend")
+
+    def rw_release(self, key: str, owner: Owner, mode: str) -> bool:
+        def attempt(connection: BaseDatabaseWrapper) -> bool:
+            sql = sql_for(connection).rw
+            params = [key, mode, owner.secret]
+            if execute(connection, sql.release_last, params) or execute(connection, sql.release_one, params):
+                return True
+            execute(connection, sql.drop, params)  # our expired row, if it is still there
+            return False
+
+        return self._run(attempt)
+
+    def rw_begin_wait(self, key: str, mode: str) -> None:
+        self._rw_waiting[key] = ""
+
+    def rw_end_wait(self, key: str, mode: str, acquired: bool) -> None:
+        secret = self._rw_waiting.pop(key, "")
+        if secret and not acquired:
+            # Else readers wait for it until its record's lease runs out.
+            with contextlib.suppress(BackendUnavailable):
+                self._run(lambda connection: execute(connection, sql_for(connection).rw.drop, [key, "waiting", secret]))
+
+    def rw_wait(self, key: str, mode: str, attempt: int, remaining: float | None) -> None:
+        delay = min(_POLL_FIRST * 2**attempt, _POLL_MAX) * random.uniform(0.5, 1.0)
+        time.sleep(delay if remaining is None else min(delay, remaining))
+
+    def rw_force_release(self, key: str, token: int | None = None) -> bool:
+        def attempt(connection: BaseDatabaseWrapper) -> bool:
+            sql = sql_for(connection).rw
+            if token is None:
+                with connection.cursor() as cursor:
+                    cursor.execute(sql.holds, [key])
+                    first = cursor.fetchone()
+                if first is None:
+                    return False
+                return execute(connection, sql.force_release, [key, first[0]]) > 0
+            return execute(connection, sql.force_release, [key, token]) > 0
+
+        return self._run(attempt)
+
+    def _rw_held(self, connection: BaseDatabaseWrapper) -> list[LockInfo]:
+        from distlocks.models import ReadWriteHold
+
+        now = RawSQL(sql_for(connection).now, ())
+        rows = list(
+            ReadWriteHold.objects.using(connection.alias)
+            .filter(expires_at__gt=now, mode__in=["read", "write", "waiting"])
+            .order_by("lock_name", "-mode", "id")
+        )
+        waiting: dict[str, int] = {}
+        for row in rows:
+            if row.mode == "waiting":
+                waiting[row.lock_name] = waiting.get(row.lock_name, 0) + 1
+        return [
+            LockInfo(
+                alias=self.alias,
+                name=row.lock_name,
+                owner=row.owner,
+                hold_count=row.hold_count,
+                token=row.pk,
+                acquired_at=row.acquired_at,
+                expires_at=row.expires_at,
+                waiters=waiting.get(row.lock_name, 0),
+                kind=row.mode,
+            )
+            for row in rows
+            if row.mode != "waiting"
+        ]
+
     # -- inspection and maintenance --------------------------------------------
 
     def held(self) -> Iterator[LockInfo]:
         rows: list[Lock] = self._run(lambda connection: list(self._live(connection, True)))
-        return map(self._info, rows)
+        read_write = self._run(self._rw_held)
+        return iter([*map(self._info, rows), *read_write])
 
     def holder(self, key: str) -> LockInfo | None:
         rows: list[Lock] = self._run(lambda connection: list(self._live(connection, True).filter(lock_name=key)))
@@ -253,9 +355,17 @@ class DatabaseBackend(BaseLockBackend):
         return self._run(attempt)
 
     def clear_expired(self, dry_run: bool = False) -> int:
+        """Delete expired locks and read-write holds (read-write locks' gate rows stay: they are no state)."""
+
         def attempt(connection: BaseDatabaseWrapper) -> int:
+            from distlocks.models import ReadWriteHold
+
+            now = RawSQL(sql_for(connection).now, ())
             expired = self._live(connection, False)
-            return expired.count() if dry_run else expired.delete()[0]
+            holds = ReadWriteHold.objects.using(connection.alias).filter(expires_at__lte=now).exclude(mode="gate")
+            if dry_run:
+                return expired.count() + holds.count()
+            return int(expired.delete()[0] + holds.delete()[0])
 
         return self._run(attempt)
 

@@ -18,6 +18,7 @@ class Statements:
     """
 
     def __init__(self, connection: BaseDatabaseWrapper) -> None:
+        from distlocks.backends.db.rw import ReadWriteStatements
         from distlocks.models import Lock
 
         vendor = connection.vendor
@@ -55,6 +56,7 @@ class Statements:
         self.force_release = f"DELETE FROM {table} WHERE lock_name = %s"
         # Compare and delete in one statement: the next holder's row has another id.
         self.force_release_token = f"DELETE FROM {table} WHERE lock_name = %s AND id = %s"
+        self.rw = ReadWriteStatements(connection, now, later)
 
 
 _statements: dict[str, Statements] = {}
