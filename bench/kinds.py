@@ -26,7 +26,14 @@ from bench.common import arguments, time_cycles  # noqa: E402
 os.environ["DJANGO_SETTINGS_MODULE"] = "tests.settings"
 
 # kind -> how many names a multi-lock takes (0: not a multi-lock)
-KINDS = {"lock": 0, "semaphore (3 permits)": 0, "multi_lock (1 name)": 1, "multi_lock (2 names)": 2}
+KINDS = {
+    "lock": 0,
+    "semaphore (3 permits)": 0,
+    "multi_lock (1 name)": 1,
+    "multi_lock (2 names)": 2,
+    "read_write_lock: read": 0,
+    "read_write_lock: write": 0,
+}
 
 
 def setup(url: str) -> None:
@@ -46,6 +53,9 @@ def cycle_of(kind: str) -> tuple[Callable[[], object], Callable[[], object]]:
     lock: distlocks.DistributedLock | distlocks.Semaphore | distlocks.MultiLock
     if kind == "lock":
         lock = distlocks.lock(name, using="bench", ttl=30)
+    elif kind.startswith("read_write_lock"):
+        rw = distlocks.read_write_lock(name, using="bench", ttl=30)
+        lock = rw.read() if kind.endswith("read") else rw.write()
     elif kind.startswith("semaphore"):
         lock = distlocks.semaphore(name, 3, using="bench", ttl=30)
     else:

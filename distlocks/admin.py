@@ -24,12 +24,21 @@ from django.utils.translation import gettext_lazy as _
 from distlocks.backends.base import LockInfo
 from distlocks.exceptions import LockError
 from distlocks.handler import locks
-from distlocks.inspection import force_release, held_locks
+from distlocks.inspection import KINDS, READ_WRITE, force_release, held_locks
 from distlocks.models import Lock
 
 #: The query parameters of the held-locks page.
 SEARCH_VAR = "q"
 ALIAS_VAR = "alias"
+KIND_VAR = "kind"
+#: How the page names each kind of lock (see ``inspection.KINDS``).
+KIND_LABELS = {
+    "lock": _("lock"),
+    "semaphore": _("semaphore"),
+    "multi": _("multi-lock"),
+    "read": _("read-write: read"),
+    "write": _("read-write: write"),
+}
 #: The POST fields of the held-locks page: the ticked rows, and the confirmation.
 SELECTED_VAR = "_selected_lock"
 CONFIRM_VAR = "post"
@@ -59,8 +68,12 @@ class HeldLockRow:
 
     @property
     def value(self) -> str:
-        """The row's checkbox value: which lock, and which acquisition of it (its token)."""
-        return json.dumps([self.info.alias, self.info.name, self.info.token])
+        """The row's checkbox value: which lock, which acquisition of it (its token), and its kind."""
+        return json.dumps([self.info.alias, self.info.name, self.info.token, self.info.kind])
+
+    @property
+    def kind_label(self) -> str:
+        return str(KIND_LABELS.get(self.info.kind, self.info.kind))
 
     @property
     def owner_parts(self) -> list[str]:
@@ -72,14 +85,26 @@ class HeldLockRow:
         return f"{self.info.alias}: {self.info.name}"
 
 
-def _parse_choice(value: str) -> tuple[str, str, int | None] | None:
+Choice = tuple[str, str, int | None, str]
+
+
+def _parse_choice(value: str) -> Choice | None:
+    """(alias, name, token, kind) from a row's checkbox value (kind "lock" if left out), or None."""
     try:
-        alias, name, token = json.loads(value)
+        alias, name, token, *more = json.loads(value)
     except (ValueError, TypeError):
         return None
+    kind = more[0] if more else "lock"
     if not isinstance(alias, str) or not isinstance(name, str) or not (token is None or isinstance(token, int)):
         return None
-    return alias, name, token
+    if len(more) > 1 or kind not in KINDS:
+        return None
+    return alias, name, token, kind
+
+
+def _label(alias: str, name: str, token: int | None, kind: str) -> str:
+    """A chosen lock as messages name it: a read-write lock's holder with its side."""
+    return f"{alias}: {name} ({kind})" if kind in READ_WRITE else f"{alias}: {name}"
 
 
 @admin.register(Lock)
@@ -151,6 +176,9 @@ class LockAdmin(admin.ModelAdmin):
             found: list[LockInfo] = []
         else:
             found, errors = self._held(aliases if chosen_alias is None else [chosen_alias])
+        chosen_kind = request.GET.get(KIND_VAR) or None
+        if chosen_kind is not None:
+            found = [info for info in found if info.kind == chosen_kind]
         if query:
             needle = query.casefold()
             found = [info for info in found if needle in info.name.casefold() or needle in info.owner.casefold()]
@@ -170,6 +198,10 @@ class LockAdmin(admin.ModelAdmin):
             "query": query,
             "alias_choices": self._alias_choices(request, aliases, chosen_alias),
             "chosen_alias": chosen_alias,
+            "kind_choices": self._choices(
+                request, KIND_VAR, [(kind, KIND_LABELS[kind]) for kind in KINDS], chosen_kind
+            ),
+            "chosen_kind": chosen_kind,
             "selected_var": SELECTED_VAR,
             "has_waiters": any(row.info.waiters is not None for row in rows),
             "recent_charts": self._recent_charts(chosen_alias),
@@ -203,12 +235,19 @@ class LockAdmin(admin.ModelAdmin):
         self, request: HttpRequest, aliases: Sequence[str], chosen: str | None
     ) -> list[tuple[str, str, bool]]:
         """(display, query string, selected) for the "By backend" filter, keeping the search."""
+        return self._choices(request, ALIAS_VAR, [(alias, alias) for alias in aliases], chosen)
+
+    @staticmethod
+    def _choices(
+        request: HttpRequest, var: str, values: Sequence[tuple[str, Any]], chosen: str | None
+    ) -> list[tuple[str, str, bool]]:
+        """(display, query string, selected) for a filter on ``var``, keeping the search and the other filter."""
         params = request.GET.copy()
-        params.pop(ALIAS_VAR, None)
+        params.pop(var, None)
         choices = [(_g("All"), f"?{params.urlencode()}", chosen is None)]
-        for alias in aliases:
-            params[ALIAS_VAR] = alias
-            choices.append((alias, f"?{params.urlencode()}", alias == chosen))
+        for value, display in values:
+            params[var] = value
+            choices.append((str(display), f"?{params.urlencode()}", value == chosen))
         return choices
 
     def _post_force_release(self, request: HttpRequest) -> HttpResponse:
@@ -226,7 +265,7 @@ class LockAdmin(admin.ModelAdmin):
                 "subtitle": None,
                 "opts": self.opts,
                 "app_label": self.opts.app_label,
-                "chosen": [(json.dumps(list(choice)), f"{choice[0]}: {choice[1]}") for choice in chosen],
+                "chosen": [(json.dumps(list(choice)), _label(*choice)) for choice in chosen],
                 "selected_var": SELECTED_VAR,
                 "back_url": request.get_full_path(),
             }
@@ -235,23 +274,31 @@ class LockAdmin(admin.ModelAdmin):
         self.force_release_locks(request, chosen)
         return back
 
-    def force_release_locks(self, request: HttpRequest, chosen: Sequence[tuple[str, str, int | None]]) -> None:
-        """Force-release each (alias, name, token) still held with that token; log and report each.
+    def force_release_locks(self, request: HttpRequest, chosen: Sequence[Choice]) -> None:
+        """Force-release each (alias, name, token, kind) still held with that token; log and report each.
 
         The server frees a lock only if it still has the chosen token: one
-        released and taken again since the page was shown stays with its new holder.
+        released and taken again since the page was shown stays with its new
+        holder. A read-write lock's holders are released one by one.
         """
-        current: dict[str, dict[str, LockInfo]] = {}
-        for alias, name, token in chosen:
-            label = f"{alias}: {name}"
+        current: dict[str, list[LockInfo]] = {}
+        for alias, name, token, kind in chosen:
+            label = _label(alias, name, token, kind)
             try:
                 if alias not in current:  # who held it, for the log and the messages
                     held = held_locks([alias])
                     if alias in held.errors:
                         raise LockError(held.errors[alias], alias=alias)
-                    current[alias] = {info.name: info for info in held.locks}
-                info = current[alias].get(name)
-                released = info is not None and force_release(alias, name, token)
+                    current[alias] = held.locks
+                # A read-write lock's holders are rows of one name: the kind tells the side.
+                rw_side = kind if kind in READ_WRITE else None
+                same = [
+                    info
+                    for info in current[alias]
+                    if info.name == name and (info.kind if info.kind in READ_WRITE else None) == rw_side
+                ]
+                info = next((info for info in same if info.token == token), same[0] if same else None)
+                released = info is not None and force_release(alias, name, token, kind=kind)
             except (ImproperlyConfigured, LockError) as exc:
                 self.message_user(
                     request,
@@ -286,6 +333,8 @@ class LockAdmin(admin.ModelAdmin):
         # since the lock may live in Redis or ZooKeeper and is gone anyway.
         lock = Lock(lock_name=f"{info.alias}: {info.name}")
         message = f"Force-released (held by {info.owner or '?'}, hold count {info.hold_count}, token {info.token})."
+        if info.kind in READ_WRITE:
+            message = f"Force-released the {info.kind} side's holder (held by {info.owner or '?'}, token {info.token})."
         user_id = request.user.pk
         if user_id is None:  # admin_view lets only staff users in
             raise PermissionDenied

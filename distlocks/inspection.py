@@ -72,8 +72,13 @@ def force_release(alias: str, key: str, token: int | None = None, kind: str = "l
     return backend.force_release(key) if token is None else backend.force_release(key, token)
 
 
-def holder(alias: str, key: str) -> LockInfo | None:
-    """The lock stored as ``key`` if it is held right now (one look at the server), else None."""
+def holder(alias: str, key: str, kind: str = "lock") -> LockInfo | None:
+    """The lock stored as ``key`` if it is held right now (one look at the server), else None.
+
+    For a read-write lock's side (``kind`` "read" or "write"): one of its holders.
+    """
+    if kind in READ_WRITE:
+        return locks[alias].rw_holder(key, kind)
     return locks[alias].holder(key)
 
 

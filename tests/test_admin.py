@@ -57,16 +57,16 @@ def staff_client(django_user_model):
     return make
 
 
-def value(alias, name, token):
-    return json.dumps([alias, name, token])
+def value(alias, name, token, kind="lock"):
+    return json.dumps([alias, name, token, kind])
 
 
-def release_post(client, alias, name, token, url=HELD_URL):
+def release_post(client, alias, name, token, url=HELD_URL, kind="lock"):
     """Tick the row and press the button, then confirm; return the page shown after the redirect."""
-    confirm = client.post(url, {"_selected_lock": value(alias, name, token)})
+    confirm = client.post(url, {"_selected_lock": value(alias, name, token, kind)})
     assert confirm.status_code == 200
     assert "Are you sure" in confirm.content.decode()
-    return client.post(url, {"_selected_lock": value(alias, name, token), "post": "yes"}, follow=True)
+    return client.post(url, {"_selected_lock": value(alias, name, token, kind), "post": "yes"}, follow=True)
 
 
 def listed(alias, name):
@@ -320,6 +320,8 @@ def test_semaphore_permits_and_multi_lock_members_are_listed_and_force_released(
         assert shown[permit]["token"] == int(token)
         assert shown[permit]["owner"].endswith("task permits=1")
         assert {member.key for member in both.locks} <= set(shown)
+        assert shown[permit]["kind"] == "semaphore"
+        assert {shown[member.key]["kind"] for member in both.locks} == {"multi"}
 
         page = admin_client.get(f"{HELD_URL}?alias={alias}").content.decode()
         assert escape(f"sem:{name}#{slot}") in page
@@ -335,3 +337,42 @@ def test_semaphore_permits_and_multi_lock_members_are_listed_and_force_released(
         while both.hold_count:
             both.release()
     assert not listed(alias, both.locks[1].key)
+
+
+@pytest.mark.parametrize("alias", ["default", "postgresql", "redis", "zookeeper"], indirect=True)
+def test_read_write_holders_are_listed_by_kind_filtered_and_force_released_one_by_one(
+    alias, leave_nothing, name, workers, admin_client
+):
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    readers = [workers("rw_hold", alias, name, "read", 30) for _ in range(2)]
+    tokens = [int(reader.line()[1]) for reader in readers]
+    key = distlocks.read_write_lock(name, using=alias).key
+    plain = distlocks.lock(f"{name}-plain", using=alias)
+    with plain:
+        out = StringIO()
+        call_command("distlocks_list", "--using", alias, "--json", stdout=out)
+        shown = [(row["name"], row["kind"], row["token"]) for row in json.loads(out.getvalue()) if name in row["name"]]
+        assert sorted(shown) == sorted(
+            [(key, "read", tokens[0]), (key, "read", tokens[1]), (plain.key, "lock", plain.token)]
+        )
+
+        page = admin_client.get(f"{HELD_URL}?alias={alias}").content.decode()
+        assert '<td class="field-kind">read-write: read</td>' in page
+        assert '<td class="field-kind">lock</td>' in page
+        only_reads = admin_client.get(f"{HELD_URL}?alias={alias}&kind=read").content.decode()
+        assert escape(key) in only_reads
+        assert escape(plain.key) not in only_reads
+        assert f'value="{escape(value(alias, key, tokens[0], "read"))}"' in only_reads
+
+        after = release_post(admin_client, alias, key, tokens[0], url=f"{HELD_URL}?alias={alias}", kind="read")
+        assert f"Force-released “{alias}: {key} (read)”" in after.content.decode()
+        left = [info.token for info in held_locks([alias]).locks if info.name == key]
+        assert left == [tokens[1]]  # the other reader still holds it
+        assert workers("rw_take", alias, name, "write", 0).finish() == ["busy"]
+        call_command("distlocks_release", key, "--using", alias, "--kind", "read", "--yes", stdout=StringIO())
+        assert workers("rw_take", alias, name, "write", 5).finish()[0] == "acquired"
+    for reader in readers:
+        reader.kill()

@@ -8,7 +8,7 @@ import time
 import pytest
 
 import distlocks
-from distlocks.inspection import force_release, held_locks
+from distlocks.inspection import clear_expired, force_release, held_locks
 
 from .conftest import DB
 from .test_lock import in_thread
@@ -258,3 +258,34 @@ def test_a_downgrade_passes_a_waiting_writer_which_then_waits_for_it(alias, leav
     thread.join(30)
     assert outcome[0] is True
     assert outcome[1] >= released
+
+
+def leftovers(alias, key):
+    """Whether the read-write lock ``key`` left state on ``alias``'s server that cleanup is for."""
+    backend = distlocks.handler.locks[alias]
+    if alias == "locmem":
+        from distlocks.backends.locmem import store
+
+        return key in store(backend.store_name).rw
+    if alias == "redis":
+        from distlocks.backends.redis.keys import lock_hash
+
+        return bool(backend.client.exists(f"{lock_hash(key)}:rw:fence"))
+    from distlocks.models import ReadWriteHold
+
+    return ReadWriteHold.objects.using(alias).filter(lock_name=key).exclude(mode="gate").exists()
+
+
+@pytest.mark.parametrize("alias", ["default", "postgresql", "redis", "locmem"], indirect=True)
+def test_cleanup_clears_what_expired_holds_left(alias, leave_nothing, name):
+    rw = distlocks.read_write_lock(name, using=alias, ttl=0.3, renew=False)
+    assert rw.read().acquire(wait=0)
+    assert leftovers(alias, rw.key)
+    deadline = time.monotonic() + 10
+    while rw.read().holder() is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert rw.read().holder() is None  # expired
+    assert clear_expired(alias)[0] >= 1
+    assert not leftovers(alias, rw.key)
+    with pytest.raises(distlocks.LockLost):
+        rw.read().release()

@@ -366,11 +366,12 @@ class LocMemBackend(BaseLockBackend):
             now = time.monotonic()
             found = []
             for key, rw in store.rw.items():
-                rw.prune(now)
+                waiting = sum(until > now for until in rw.waiting.values())
                 for mode in ("write", "read"):
                     for held in rw.side(mode).values():
-                        info = self._info(store, key, held, now)
-                        found.append(dataclasses.replace(info, kind=mode, waiters=len(rw.waiting)))
+                        if held.expires > now:
+                            info = self._info(store, key, held, now)
+                            found.append(dataclasses.replace(info, kind=mode, waiters=waiting))
             return found
 
     def rw_force_release(self, key: str, token: int | None = None) -> bool:

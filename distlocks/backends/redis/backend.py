@@ -345,17 +345,19 @@ class RedisBackend(BaseLockBackend):
         return bool(self._call("raise_token", self._keys(key)[:2], [owner.secret, token]))
 
     def clear_expired(self, dry_run: bool = False) -> int:
-        """Delete fencing counters of locks not held (tokens still grow: they restart from the clock)."""
+        """Delete fencing counters of locks (and read-write locks) not held (tokens still grow: they restart from the clock)."""
         with self._reaching():
             return self._clear_unused_counters(dry_run)
 
     def _clear_unused_counters(self, dry_run: bool) -> int:
         client = self.client
         stale = []
-        for raw in client.scan_iter(match="distlocks:{*}:fence", count=500):
-            fence = raw.decode() if isinstance(raw, bytes) else raw
-            if not client.exists(fence[: -len(":fence")]):
-                stale.append(fence)
+        # A lock's counter, and a read-write lock's (its hash's name ends in ":rw").
+        for pattern in ("distlocks:{*}:fence", "distlocks:{*}:rw:fence"):
+            for raw in client.scan_iter(match=pattern, count=500):
+                fence = raw.decode() if isinstance(raw, bytes) else raw
+                if not client.exists(fence[: -len(":fence")]):
+                    stale.append(fence)
         if stale and not dry_run:
             client.delete(*stale)
         return len(stale)

@@ -9,7 +9,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from distlocks.exceptions import LockError
 from distlocks.handler import DEFAULT_ALIAS
-from distlocks.inspection import force_release, holder
+from distlocks.inspection import READ_WRITE, force_release, holder
 
 
 class Command(BaseCommand):
@@ -27,12 +27,21 @@ class Command(BaseCommand):
             help="Release it only if it is still this acquisition (its TOKEN in distlocks_list). "
             "By default: the acquisition found when the command looks.",
         )
+        parser.add_argument(
+            "--kind",
+            choices=READ_WRITE,
+            help="For a read-write lock (its KIND in distlocks_list): release a holder of this side "
+            "(with --token, that one; else the first found).",
+        )
         parser.add_argument("--yes", action="store_true", help="Do not ask for confirmation.")
 
-    def handle(self, *args: Any, name: str, using: str, token: int | None, yes: bool, **options: Any) -> None:
+    def handle(
+        self, *args: Any, name: str, using: str, token: int | None, kind: str | None, yes: bool, **options: Any
+    ) -> None:
+        kind = kind or "lock"
         try:
             if token is None:
-                token, holder = self._holder(using, name)
+                token, holder = self._holder(using, name, kind)
             else:
                 holder = f"token {token}"
             if not yes:
@@ -43,17 +52,17 @@ class Command(BaseCommand):
                 if answer.strip().lower() not in ("y", "yes"):
                     raise CommandError("Not released.")
             # Only the acquisition looked at: one taken since then stays with its new holder.
-            released = force_release(using, name, token)
+            released = force_release(using, name, token, kind=kind)
         except (ImproperlyConfigured, LockError) as exc:
             raise CommandError(f"{using}: {exc}") from exc
         if not released:
             raise CommandError(f"{using}: {name!r} is not held" + (f" with token {token}" if token is not None else ""))
         self.stdout.write(f"{using}: released {name!r}")
 
-    def _holder(self, using: str, name: str) -> tuple[int | None, str]:
+    def _holder(self, using: str, name: str, kind: str) -> tuple[int | None, str]:
         """The current acquisition's token and a description of its holder."""
         try:
-            info = holder(using, name)
+            info = holder(using, name, kind)
         except NotImplementedError:
             return None, "whoever holds it"
         if info is None:
