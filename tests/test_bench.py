@@ -64,5 +64,7 @@ def test_kinds_benchmark_runs(tmp_path):
         "semaphore (3 permits)",
         "multi_lock (1 name)",
         "multi_lock (2 names)",
+        "read_write_lock: read",
+        "read_write_lock: write",
     ]
     assert all(row["median_us"] > 0 for row in rows)

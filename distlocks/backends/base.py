@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import time
@@ -13,6 +14,7 @@ from typing import Any
 from django.core.checks import CheckMessage
 from django.core.exceptions import ImproperlyConfigured
 
+from distlocks.exceptions import BackendUnavailable
 from distlocks.owner import Owner
 
 DEFAULT_TTL = 30.0
@@ -190,10 +192,34 @@ class BaseLockBackend:
         BaseLockBackend.wait(self, key, attempt, remaining)
 
     def rw_begin_wait(self, key: str, mode: str) -> None:
-        """An acquire of the ``mode`` side that may wait begins (a writer is then recorded as waiting)."""
+        """An acquire of the ``mode`` side that may wait begins: a writer is then recorded as waiting."""
+        self._rw_waiters()[key] = ""
 
     def rw_end_wait(self, key: str, mode: str, acquired: bool) -> None:
-        """The acquire of the ``mode`` side ends: forget a writer's waiting record if it gave up."""
+        """The acquire of the ``mode`` side ends: forget the record of a writer that gave up (``rw_abandon``)."""
+        secret = self._rw_waiters().pop(key, "")
+        if secret and not acquired:
+            # Else new readers wait for it until its record's lease runs out.
+            with contextlib.suppress(BackendUnavailable):
+                self.rw_abandon(key, secret)
+
+    def _rw_waiters(self) -> dict[str, str]:
+        """This thread's acquires of read-write locks that may wait: key -> the secret of a writer recorded waiting."""
+        waiters: dict[str, str] | None = self.__dict__.get("_rw_waiting")
+        if waiters is None:
+            waiters = self.__dict__["_rw_waiting"] = {}
+        return waiters
+
+    def rw_waits(self, key: str, mode: str) -> bool:
+        """Whether an attempt at the ``mode`` side of ``key`` that fails records a waiting writer."""
+        return mode == "write" and key in self._rw_waiters()
+
+    def rw_waiting(self, key: str, owner: Owner) -> None:
+        """Note that ``owner`` is recorded as a writer waiting for ``key`` (``rw_end_wait`` forgets it)."""
+        self._rw_waiters()[key] = owner.secret
+
+    def rw_abandon(self, key: str, secret: str) -> None:
+        """Delete the record of the writer ``secret`` waiting for ``key``: new readers need not wait for it."""
 
     def rw_drop(self, key: str, owner: Owner, mode: str) -> bool:
         """Free ``owner``'s hold of the ``mode`` side whatever its count (session-bound backends; see ``drop``)."""

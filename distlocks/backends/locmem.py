@@ -138,8 +138,6 @@ class LocMemBackend(BaseLockBackend):
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         super().__init__(alias, params)
         self.store_name = self.location or alias
-        # This thread's read-write acquires that may wait: key -> the secret a waiting writer was recorded with.
-        self._rw_waiting: dict[str, str] = {}
 
     @property
     def _store(self) -> _Store:
@@ -291,9 +289,9 @@ class LocMemBackend(BaseLockBackend):
                     # Writers queue in the order they first waited (dicts keep it).
                     free = next(iter(rw.waiting)) == owner.secret
             if not free:
-                if mode == "write" and key in self._rw_waiting:
+                if self.rw_waits(key, mode):
                     rw.waiting[owner.secret] = now + ttl
-                    self._rw_waiting[key] = owner.secret
+                    self.rw_waiting(key, owner)
                 return None
             held = _Held(owner.secret, owner.description, store.token(key), datetime.now(timezone.utc), now + ttl)
             if mode == "read":
@@ -337,17 +335,12 @@ class LocMemBackend(BaseLockBackend):
                 store.locked.notify_all()
             return True
 
-    def rw_begin_wait(self, key: str, mode: str) -> None:
-        self._rw_waiting[key] = ""
-
-    def rw_end_wait(self, key: str, mode: str, acquired: bool) -> None:
-        secret = self._rw_waiting.pop(key, "")
-        if secret and not acquired:
-            store = self._store
-            with store.locked:
-                rw = store.rw.get(key)
-                if rw is not None and rw.waiting.pop(secret, None) is not None:
-                    store.locked.notify_all()  # readers it blocked may go
+    def rw_abandon(self, key: str, secret: str) -> None:
+        store = self._store
+        with store.locked:
+            rw = store.rw.get(key)
+            if rw is not None and rw.waiting.pop(secret, None) is not None:
+                store.locked.notify_all()  # readers it blocked may go
 
     def rw_wait(self, key: str, mode: str, attempt: int, remaining: float | None) -> None:
         """Sleep until a release or a change of waiters, at most ``remaining`` seconds (or the next lease's end)."""

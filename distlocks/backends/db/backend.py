@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -33,7 +34,7 @@ from distlocks.exceptions import BackendUnavailable
 from distlocks.owner import Owner
 
 if TYPE_CHECKING:
-    from distlocks.models import Lock
+    from distlocks.models import Lock, ReadWriteHold
 
 T = TypeVar("T")
 
@@ -72,8 +73,6 @@ class DatabaseBackend(BaseLockBackend):
         self.database, self.connect_timeout, self.timeout = connection_options(alias, self.options)
         self._connection_alias = f"distlocks:{alias}"
         self._connection: BaseDatabaseWrapper | None = None
-        # This thread's read-write acquires that may wait: key -> the secret of a writer recorded as waiting.
-        self._rw_waiting: dict[str, str] = {}
 
     def make_key(self, name: str) -> str:
         """Return the key of ``name``; raise ValueError if a database cannot store it.
@@ -230,7 +229,7 @@ class DatabaseBackend(BaseLockBackend):
     rw_supported = True
 
     def rw_acquire(self, key: str, owner: Owner, ttl: float, mode: str) -> int | None:
-        waits = mode == "write" and key in self._rw_waiting
+        waits = self.rw_waits(key, mode)
 
         def attempt(connection: BaseDatabaseWrapper) -> int | None:
             return rw.acquire(
@@ -239,7 +238,7 @@ class DatabaseBackend(BaseLockBackend):
 
         token = self._run(attempt, when_busy=None)
         if token is None and waits:
-            self._rw_waiting[key] = owner.secret
+            self.rw_waiting(key, owner)
         return token
 
     def _rw_renew(self, key: str, owner: Owner, ttl: float, mode: str, statement: str) -> bool:
@@ -266,15 +265,8 @@ class DatabaseBackend(BaseLockBackend):
 
         return self._run(attempt)
 
-    def rw_begin_wait(self, key: str, mode: str) -> None:
-        self._rw_waiting[key] = ""
-
-    def rw_end_wait(self, key: str, mode: str, acquired: bool) -> None:
-        secret = self._rw_waiting.pop(key, "")
-        if secret and not acquired:
-            # Else readers wait for it until its record's lease runs out.
-            with contextlib.suppress(BackendUnavailable):
-                self._run(lambda connection: execute(connection, sql_for(connection).rw.drop, [key, "waiting", secret]))
+    def rw_abandon(self, key: str, secret: str) -> None:
+        self._run(lambda connection: execute(connection, sql_for(connection).rw.drop, [key, "waiting", secret]))
 
     def rw_wait(self, key: str, mode: str, attempt: int, remaining: float | None) -> None:
         delay = min(_POLL_FIRST * 2**attempt, _POLL_MAX) * random.uniform(0.5, 1.0)
@@ -308,17 +300,7 @@ class DatabaseBackend(BaseLockBackend):
             if row.mode == "waiting":
                 waiting[row.lock_name] = waiting.get(row.lock_name, 0) + 1
         return [
-            LockInfo(
-                alias=self.alias,
-                name=row.lock_name,
-                owner=row.owner,
-                hold_count=row.hold_count,
-                token=row.pk,
-                acquired_at=row.acquired_at,
-                expires_at=row.expires_at,
-                waiters=waiting.get(row.lock_name, 0),
-                kind=row.mode,
-            )
+            dataclasses.replace(self._info(row), waiters=waiting.get(row.lock_name, 0), kind=row.mode)
             for row in rows
             if row.mode != "waiting"
         ]
@@ -334,7 +316,7 @@ class DatabaseBackend(BaseLockBackend):
         rows: list[Lock] = self._run(lambda connection: list(self._live(connection, True).filter(lock_name=key)))
         return self._info(rows[0]) if rows else None
 
-    def _info(self, row: Lock) -> LockInfo:
+    def _info(self, row: Lock | ReadWriteHold) -> LockInfo:
         return LockInfo(
             alias=self.alias,
             name=row.lock_name,

@@ -72,35 +72,23 @@ def acquire(
     for _ in range(2):
         with transaction.atomic(using=connection.alias):
             if execute(connection, sql.lock_gate, [key]):
-                return _decide(connection, sql, lease, key, owner, mode, waits)
+                execute(connection, sql.prune, [key])
+                with connection.cursor() as cursor:
+                    cursor.execute(sql.rows, [key])
+                    rows = [(str(kind), str(secret)) for kind, secret in cursor.fetchall()]
+                if not may_take(rows, owner.secret, mode):
+                    if waits and not execute(connection, sql.wait_more, [lease, key, "waiting", owner.secret]):
+                        _insert(connection, sql, lease, key, owner, "waiting")
+                    return None
+                if mode == "write":
+                    execute(connection, sql.drop, [key, "waiting", owner.secret])
+                return _insert(connection, sql, lease, key, owner, mode)
         try:
             with transaction.atomic(using=connection.alias):
                 execute(connection, sql.add_gate, [key])
         except IntegrityError:
             pass  # added by another process meanwhile
     return None
-
-
-def _decide(
-    connection: BaseDatabaseWrapper,
-    sql: ReadWriteStatements,
-    lease: Any,
-    key: str,
-    owner: Owner,
-    mode: str,
-    waits: bool,
-) -> int | None:
-    execute(connection, sql.prune, [key])
-    with connection.cursor() as cursor:
-        cursor.execute(sql.rows, [key])
-        rows = [(str(kind), str(secret)) for kind, secret in cursor.fetchall()]
-    if not may_take(rows, owner.secret, mode):
-        if waits and not execute(connection, sql.wait_more, [lease, key, "waiting", owner.secret]):
-            _insert(connection, sql, lease, key, owner, "waiting")
-        return None
-    if mode == "write":
-        execute(connection, sql.drop, [key, "waiting", owner.secret])
-    return _insert(connection, sql, lease, key, owner, mode)
 
 
 def _insert(

@@ -57,8 +57,6 @@ class RedisBackend(BaseLockBackend):
         self._process_releases: Releases | None = None
         self._waited_at = -math.inf
         self._rw_scripts: dict[str, Any] | None = None
-        # This thread's read-write acquires that may wait: key -> the secret of a writer recorded as waiting.
-        self._rw_waiting: dict[str, str] = {}
 
     @property
     def client(self) -> Any:
@@ -218,7 +216,7 @@ class RedisBackend(BaseLockBackend):
         if scripts is None:
             client = self.client
             self._inspect(client)
-            scripts = self._rw_scripts = rwscripts.registered(client)
+            scripts = self._rw_scripts = registered(client, rwscripts.SCRIPTS, "_distlocks_rw_scripts")
         rw_hash = f"{lock_hash(key)}:rw"
         try:
             return scripts[script](keys=[rw_hash, f"{rw_hash}:fence", f"{rw_hash}:wait"], args=args)
@@ -227,14 +225,14 @@ class RedisBackend(BaseLockBackend):
 
     def rw_acquire(self, key: str, owner: Owner, ttl: float, mode: str) -> int | None:
         args = [owner.secret, self._ms(ttl), mode, _info(owner)]
-        waits = mode == "write" and key in self._rw_waiting
+        waits = self.rw_waits(key, mode)
         if waits:
             args.append("waits")
         token = int(self._rw_call("rw_acquire", key, args))
         if token:
             return token
         if waits:
-            self._rw_waiting[key] = owner.secret
+            self.rw_waiting(key, owner)
         return None
 
     def rw_reenter(self, key: str, owner: Owner, ttl: float, mode: str) -> bool:
@@ -246,15 +244,8 @@ class RedisBackend(BaseLockBackend):
     def rw_release(self, key: str, owner: Owner, mode: str) -> bool:
         return int(self._rw_call("rw_release", key, [owner.secret, mode])) >= 0
 
-    def rw_begin_wait(self, key: str, mode: str) -> None:
-        self._rw_waiting[key] = ""
-
-    def rw_end_wait(self, key: str, mode: str, acquired: bool) -> None:
-        secret = self._rw_waiting.pop(key, "")
-        if secret and not acquired:
-            # Else readers wait for it until its record's lease runs out.
-            with contextlib.suppress(BackendUnavailable):
-                self._rw_call("rw_abandon", key, [secret])
+    def rw_abandon(self, key: str, secret: str) -> None:
+        self._rw_call("rw_abandon", key, [secret])
 
     def rw_force_release(self, key: str, token: int | None = None) -> bool:
         return bool(self._rw_call("rw_force_release", key, ["" if token is None else str(token)]))

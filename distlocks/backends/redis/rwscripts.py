@@ -15,8 +15,6 @@ server's clock in microseconds, see ``scripts.TAKE``).
 
 from __future__ import annotations
 
-from typing import Any
-
 COMMON = """
 local clock = redis.call('TIME')
 local now = clock[1] * 1000 + math.floor(clock[2] / 1000)
@@ -203,11 +201,3 @@ SCRIPTS = {
     "rw_abandon": RW_ABANDON,
     "rw_force_release": RW_FORCE_RELEASE,
 }
-
-
-def registered(client: Any) -> dict[str, Any]:
-    """The scripts, registered once per client (see ``scripts.registered``)."""
-    scripts: dict[str, Any] | None = getattr(client, "_distlocks_rw_scripts", None)
-    if scripts is None:
-        scripts = client._distlocks_rw_scripts = {n: client.register_script(source) for n, source in SCRIPTS.items()}
-    return scripts

@@ -194,9 +194,10 @@ SCRIPTS = {
 }
 
 
-def registered(client: Any) -> dict[str, Any]:
+def registered(client: Any, sources: dict[str, str] = SCRIPTS, attribute: str = "_distlocks_scripts") -> dict[str, Any]:
     """The scripts, registered once per client: redis-py runs them by EVALSHA, loading them on NOSCRIPT."""
-    scripts: dict[str, Any] | None = getattr(client, "_distlocks_scripts", None)
+    scripts: dict[str, Any] | None = getattr(client, attribute, None)
     if scripts is None:
-        scripts = client._distlocks_scripts = {n: client.register_script(source) for n, source in SCRIPTS.items()}
+        scripts = {name: client.register_script(source) for name, source in sources.items()}
+        setattr(client, attribute, scripts)
     return scripts

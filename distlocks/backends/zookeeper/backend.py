@@ -138,10 +138,13 @@ class ZooKeeperBackend(BaseLockBackend):
         if mine not in children:
             return  # gone with a lost session: the next attempt queues again
         below = [child for child in children if sequence(child) < sequence(mine)]
-        if not below:
-            return
+        if below:
+            self._wait_gone(f"{self._parent(key)}/{below[-1]}", remaining)
+
+    def _wait_gone(self, node: str, remaining: float | None) -> None:
+        """Wait until ``node`` is deleted, at most ``remaining`` seconds and at most a second."""
         gone = threading.Event()
-        if self._request("exists", f"{self._parent(key)}/{below[-1]}", watch=lambda event: gone.set()) is None:
+        if self._request("exists", node, watch=lambda event: gone.set()) is None:
             return
         # Look again now and then: a lost session must not leave us waiting forever.
         gone.wait(1.0 if remaining is None else min(remaining, 1.0))
@@ -336,12 +339,11 @@ class ZooKeeperBackend(BaseLockBackend):
         if mine not in children:
             return  # gone with a lost session: the next attempt queues again
         blockers = rw_blockers(children, mine)
-        if not blockers:
-            return
-        gone = threading.Event()
-        if self._request("exists", f"{self._parent(key)}/{blockers[-1]}", watch=lambda event: gone.set()) is None:
-            return
-        gone.wait(1.0 if remaining is None else min(remaining, 1.0))
+        if blockers:
+            self._wait_gone(f"{self._parent(key)}/{blockers[-1]}", remaining)
+
+    def rw_begin_wait(self, key: str, mode: str) -> None:
+        """Nothing to record: a writer's queued node is what keeps later readers waiting."""
 
     def rw_end_wait(self, key: str, mode: str, acquired: bool) -> None:
         self.end_wait(f"{key}#{mode}", acquired)
@@ -371,18 +373,8 @@ class ZooKeeperBackend(BaseLockBackend):
                 data, stat = self._request("get", f"{parent}/{child}")
             except NoNodeError:
                 continue
-            holder, _, count = data.decode(errors="replace").rpartition("|")
-            info = LockInfo(
-                alias=self.alias,
-                name=unescape(escaped),
-                owner=holder,
-                hold_count=int(count) if count.isdigit() else 1,
-                token=int(stat.czxid),
-                acquired_at=datetime.fromtimestamp(stat.ctime / 1000, timezone.utc),
-                waiters=len(children) - len(held),
-                kind="write" if child.startswith("write-") else "read",
-            )
-            found.append((info, f"{parent}/{child}"))
+            kind = "write" if child.startswith("write-") else "read"
+            found.append((self._node_info(escaped, data, stat, len(children) - len(held), kind), f"{parent}/{child}"))
         return found
 
     def rw_force_release(self, key: str, token: int | None = None) -> bool:
@@ -425,16 +417,21 @@ class ZooKeeperBackend(BaseLockBackend):
                 data, stat = self._request("get", f"{parent}/{children[0]}")
             except NoNodeError:
                 continue
-            holder, _, count = data.decode(errors="replace").rpartition("|")
-            yield LockInfo(
-                alias=self.alias,
-                name=unescape(escaped),
-                owner=holder,
-                hold_count=int(count) if count.isdigit() else 1,
-                token=int(stat.czxid),
-                acquired_at=datetime.fromtimestamp(stat.ctime / 1000, timezone.utc),
-                waiters=len(children) - 1,
-            )
+            yield self._node_info(escaped, data, stat, len(children) - 1)
+
+    def _node_info(self, escaped: str, data: bytes, stat: Any, waiters: int, kind: str = "lock") -> LockInfo:
+        """A holder as its node under the parent ``escaped`` shows it (its data: "owner|count")."""
+        holder, _, count = data.decode(errors="replace").rpartition("|")
+        return LockInfo(
+            alias=self.alias,
+            name=unescape(escaped),
+            owner=holder,
+            hold_count=int(count) if count.isdigit() else 1,
+            token=int(stat.czxid),
+            acquired_at=datetime.fromtimestamp(stat.ctime / 1000, timezone.utc),
+            waiters=waiters,
+            kind=kind,
+        )
 
     def force_release(self, key: str, token: int | None = None) -> bool:
         """Delete the holder's node; with ``token``, only if that node's czxid is ``token``.
