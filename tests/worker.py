@@ -192,6 +192,21 @@ def rw_hold(alias: str, name: str, mode: str, ttl: str) -> None:
     time.sleep(3600)
 
 
+def rw_hold_until_lost(alias: str, name: str, mode: str, ttl: str) -> None:
+    """Take the ``mode`` side (renewed), then report when it is found lost and what releasing it raises."""
+    side = rw_side(alias, name, mode, ttl=float(ttl), wait=60)
+    side.acquire()
+    say("acquired", side.token)
+    while not side.lost:
+        time.sleep(0.01)
+    say("lost")
+    try:
+        side.release()
+        say("released")
+    except distlocks.LockLost:
+        say("LockLost")
+
+
 def rw_take(alias: str, name: str, mode: str, wait: str) -> None:
     """Try to take the ``mode`` side within ``wait`` seconds; report its token and how long it took, or "busy"."""
     side = rw_side(alias, name, mode, ttl=30, wait=float(wait))
@@ -356,6 +371,7 @@ if __name__ == "__main__":
         "read_together": read_together,
         "rw_guarded": rw_guarded,
         "rw_hold": rw_hold,
+        "rw_hold_until_lost": rw_hold_until_lost,
         "rw_take": rw_take,
         "take": take,
         "take_when": take_when,
