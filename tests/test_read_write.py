@@ -312,3 +312,47 @@ def test_a_frozen_holder_loses_its_side_after_its_ttl_and_is_told_on_waking(alia
     assert holder.finish() == ["lost", "LockLost"]
     assert not writer.lost
     writer.release()
+
+
+def closed_port():
+    """A loopback port that nothing listens on."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.parametrize("server", ["mariadb", "postgresql", "redis", "zookeeper"])
+def test_an_unreachable_server_gives_backend_unavailable_in_bounded_time(settings, server):
+    port = closed_port()
+    if server == "redis":
+        settings.CACHES = {
+            **settings.CACHES,
+            "down": {
+                "BACKEND": "django_redis.cache.RedisCache",
+                "LOCATION": f"redis://127.0.0.1:{port}/0",
+                "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 2, "SOCKET_TIMEOUT": 2},
+            },
+        }
+        entry = {"BACKEND": "distlocks.backends.redis.RedisBackend", "OPTIONS": {"CACHE": "down"}}
+    elif server == "zookeeper":
+        entry = {
+            "BACKEND": "distlocks.backends.zookeeper.ZooKeeperBackend",
+            "LOCATION": f"127.0.0.1:{port}",
+            "OPTIONS": {"CONNECT_TIMEOUT": 2},
+        }
+    else:
+        entry = {
+            "BACKEND": "distlocks.backends.db.DatabaseBackend",
+            "OPTIONS": {"DATABASE": f"{server}_down", "CONNECT_TIMEOUT": 2},
+        }
+    settings.DISTLOCKS = {"down": entry}
+    rw = distlocks.read_write_lock("doc", using="down", wait=None)
+    for held in (rw.read(), rw.write()):
+        started = time.monotonic()
+        with pytest.raises(distlocks.BackendUnavailable) as info:
+            held.acquire()
+        assert time.monotonic() - started < 15
+        assert info.value.alias == "down"
+        assert held.hold_count == 0
