@@ -194,17 +194,7 @@ def rw_hold(alias: str, name: str, mode: str, ttl: str) -> None:
 
 def rw_hold_until_lost(alias: str, name: str, mode: str, ttl: str) -> None:
     """Take the ``mode`` side (renewed), then report when it is found lost and what releasing it raises."""
-    side = rw_side(alias, name, mode, ttl=float(ttl), wait=60)
-    side.acquire()
-    say("acquired", side.token)
-    while not side.lost:
-        time.sleep(0.01)
-    say("lost")
-    try:
-        side.release()
-        say("released")
-    except distlocks.LockLost:
-        say("LockLost")
+    until_lost(rw_side(alias, name, mode, ttl=float(ttl), wait=60))
 
 
 def rw_take(alias: str, name: str, mode: str, wait: str) -> None:
@@ -249,7 +239,11 @@ def hold(alias: str, name: str, ttl: str) -> None:
 
 def hold_until_lost(alias: str, name: str, ttl: str) -> None:
     """Take the lock (renewed), then report when it is found lost and what releasing it raises."""
-    lock = distlocks.lock(name, using=alias, ttl=float(ttl), wait=60)
+    until_lost(distlocks.lock(name, using=alias, ttl=float(ttl), wait=60))
+
+
+def until_lost(lock: distlocks.DistributedLock) -> None:
+    """Take ``lock``, say so with its token, then report when it is found lost and what releasing it raises."""
     lock.acquire()
     say("acquired", lock.token)
     while not lock.lost:
