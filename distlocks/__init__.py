@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from distlocks.aio import AsyncDistributedLock, alock
 from distlocks.exceptions import (
     BackendUnavailable,
     LockError,
@@ -15,6 +16,7 @@ from distlocks.multi import MultiLock, multi_lock
 from distlocks.semaphore import Semaphore, semaphore
 
 __all__ = [
+    "AsyncDistributedLock",
     "BackendUnavailable",
     "DistributedLock",
     "LockError",
@@ -24,6 +26,7 @@ __all__ = [
     "MultiLock",
     "Semaphore",
     "StaleToken",
+    "alock",
     "lock",
     "multi_lock",
     "semaphore",
