@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import socket
+import subprocess
+import sys
 import threading
 import time
 
+import httpx
 import pytest
 
 import distlocks
+from demo_shop.shop.models import Stock
 from distlocks.aio import POOL_SIZE
 
-from .conftest import DB, LEASE_ALIASES, PROCESS_ALIASES, Holder
+from .conftest import DB, LEASE_ALIASES, PROCESS_ALIASES, ROOT, Holder, worker_env
 
 pytestmark = DB
 
@@ -232,3 +237,71 @@ def test_used_outside_a_task_it_says_so():
     lk = distlocks.alock("x", using="locmem")
     with pytest.raises(RuntimeError, match="task"):
         _ = lk.hold_count
+
+
+def free_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture
+def asgi_server(tmp_path):
+    """``tests.asgi_shop`` under uvicorn, in a process of its own, on the test databases; its base URL."""
+    port = free_port()
+    log = tmp_path / "uvicorn.log"
+    with log.open("w") as output:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "tests.asgi_shop:application", "--port", str(port), "--lifespan", "off"],
+            cwd=ROOT,
+            env=worker_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=output,
+        )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    try:
+        while True:
+            assert server.poll() is None, log.read_text()
+            try:
+                httpx.get(f"{base}/threads/", timeout=1).raise_for_status()
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "uvicorn did not answer"
+                time.sleep(0.1)
+        yield base
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+def test_the_async_view_under_concurrent_load_sells_exactly_the_stock_with_a_bounded_pool(
+    alias, name, asgi_server, capsys
+):
+    """50 concurrent requests for 30 items: 30 sold, none oversold, and no thread or connection per request."""
+    requests, items = 50, 30
+    product = name[-15:]
+    Stock.objects.create(product_id=product, count=items)
+    Stock.objects.create(product_id=f"{product}-warm", count=0)
+
+    async def load():
+        async with httpx.AsyncClient(base_url=asgi_server, timeout=120) as client:
+            # One request first: the backend's own threads (Redlock's per node, the watchdog's) start once.
+            assert (await client.post(f"/buy/{alias}/{product}-warm/")).status_code == 409
+            before = (await client.get("/threads/")).json()
+            answers = await asyncio.gather(*(client.post(f"/buy/{alias}/{product}/") for _ in range(requests)))
+            return before, [answer.status_code for answer in answers], (await client.get("/threads/")).json()
+
+    before, statuses, after = asyncio.run(load())
+    assert sorted(statuses) == [200] * items + [409] * (requests - items)
+    assert Stock.objects.get(product_id=product).count == 0
+    with capsys.disabled():
+        print(
+            f"\n{alias}: threads at most {after['threads']} (distlocks's: {before['lock_threads_now']} before,"
+            f" at most {after['lock_threads']}); lock connections at most {after['connections']}"
+        )
+    # Before alock, each waiting request held a thread of distlocks's (and on a
+    # database backend a connection) of its own: 50 here. Now the pool's, and
+    # the watchdog's few (a renewer per alias, its timer).
+    assert after["lock_threads"] - before["lock_threads_now"] <= POOL_SIZE + 4
+    assert after["connections"] <= 2 * POOL_SIZE

@@ -70,6 +70,9 @@ class Deadlocked(BackendUnavailable):
 class _Hold:
     connection: BaseDatabaseWrapper
     token: int
+    #: The instance whose idle connections it came from, and goes back to
+    #: (from whatever thread releases it), so that no thread hoards them.
+    home: NativeLockBackend
     count: int = 1
 
 
@@ -235,7 +238,7 @@ class NativeLockBackend(BaseLockBackend):
             self._put(connection)
             return None
         with _holding_lock:
-            _holding[(self.alias, key, owner.secret)] = _Hold(connection, token)
+            _holding[(self.alias, key, owner.secret)] = _Hold(connection, token, self)
         return token
 
     def _attempt(self, connection: BaseDatabaseWrapper, key: str, owner: Owner, ttl: float) -> int | None:
@@ -295,7 +298,7 @@ class NativeLockBackend(BaseLockBackend):
         close_if_dropped(hold.connection)
         if hold.connection.connection is None:  # the session ended: so did the server's lock
             self._forget(key, owner)
-            self._put(hold.connection)
+            hold.home._put(hold.connection)
             return None
         return hold
 
@@ -311,7 +314,7 @@ class NativeLockBackend(BaseLockBackend):
             renewed = self._run(hold.connection, lambda c: self.sql_renew(c, key, owner.secret, ttl, 1))
         except BackendUnavailable:
             self._forget(key, owner)  # its session is gone, and the server's lock with it
-            self._put(hold.connection)
+            hold.home._put(hold.connection)
             return False
         if renewed:
             hold.count += 1
@@ -328,10 +331,10 @@ class NativeLockBackend(BaseLockBackend):
             live = self._run(hold.connection, lambda c: self.sql_unlock(c, key, hold.token))
         except BackendUnavailable:
             self._forget(key, owner)
-            self._put(hold.connection)
+            hold.home._put(hold.connection)
             return False
         self._forget(key, owner)
-        self._put(hold.connection)
+        hold.home._put(hold.connection)
         return live
 
     def extend(self, key: str, owner: Owner, ttl: float) -> bool:
