@@ -10,7 +10,7 @@ Side by side in one run, on one Redis server, in one process:
   read, a pause of the event loop (or a thread switch) and a write of a shared
   counter inside: cycles/s, the median and worst wait for the lock (medians
   over ``--contended-rounds`` interleaved runs), and lost updates.
-The async contenders are 100 tasks on one event loop; the sync lock's are 100
+The row "distlocks" is ``alock``. The async contenders are 100 tasks on one event loop; the sync lock's are 100
 threads. redis-py's asyncio Lock polls every 5 ms while it waits (``sleep``;
 its default is 100 ms) and is neither reentrant, fenced nor renewed.
 """
@@ -36,7 +36,7 @@ from bench.common import arguments  # noqa: E402
 
 os.environ["DJANGO_SETTINGS_MODULE"] = "tests.settings"
 
-IMPLS = ["redis.asyncio Lock", "distlocks alock", "distlocks lock (sync)"]
+IMPLS = ["redis.asyncio Lock", "distlocks", "distlocks sync lock"]
 CONTENDERS = 100
 POLL = 0.005  # redis.asyncio Lock's sleep between attempts
 
@@ -64,7 +64,7 @@ class Contender:
         if self.impl == "redis.asyncio Lock":
             lk = self.client.lock(name, timeout=30, sleep=POLL)
             return lk.acquire, lk.release
-        if self.impl == "distlocks alock":
+        if self.impl == "distlocks":
             alk = distlocks.alock(name, using="bench", ttl=30, wait=None)
             return alk.acquire, alk.release
         slk = distlocks.lock(name, using="bench", ttl=30, wait=None)
@@ -171,7 +171,7 @@ async def measure(args: Any) -> dict[str, Any]:
     runs: dict[str, list[dict[str, float]]] = {impl: [] for impl in IMPLS}
     for _ in range(args.contended_rounds):
         for impl in IMPLS:
-            if impl == "distlocks lock (sync)":
+            if impl == "distlocks sync lock":
                 measured = await asyncio.to_thread(contended_threads, args.seconds)
             else:
                 measured = await contended_async(contenders[impl], args.seconds)

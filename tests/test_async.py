@@ -305,3 +305,20 @@ def test_the_async_view_under_concurrent_load_sells_exactly_the_stock_with_a_bou
     # the watchdog's few (a renewer per alias, its timer).
     assert after["lock_threads"] - before["lock_threads_now"] <= POOL_SIZE + 4
     assert after["connections"] <= 2 * POOL_SIZE
+
+
+@pytest.mark.parametrize("alias", ["zookeeper", "mariadb_native", "postgresql_native"], indirect=True)
+def test_a_task_that_ends_holding_a_session_bound_lock_frees_it(alias, name):
+    """The session outlives the task (and the pool's threads): the watchdog frees what the ended task held."""
+
+    async def main():
+        async def take_and_end():
+            assert await distlocks.alock(name, using=alias).acquire(wait=0)
+
+        await asyncio.create_task(take_and_end())
+        other = distlocks.alock(name, using=alias)
+        assert not await other.acquire(wait=0)
+        assert await other.acquire(wait=10)  # the watchdog looks for ended holders every second
+        await other.release()
+
+    run(main())
