@@ -304,7 +304,8 @@ def test_the_async_view_under_concurrent_load_sells_exactly_the_stock_with_a_bou
     # database backend a connection) of its own: 50 here. Now the pool's, and
     # the watchdog's few (a renewer per alias, its timer).
     assert after["lock_threads"] - before["lock_threads_now"] <= POOL_SIZE + 4
-    assert after["connections"] <= 2 * POOL_SIZE
+    # A native backend's pool thread may keep two: an attempt's, and the hold's it took; the renewer one.
+    assert after["connections"] <= 2 * POOL_SIZE + 1
 
 
 @pytest.mark.parametrize("alias", ["zookeeper", "mariadb_native", "postgresql_native"], indirect=True)
