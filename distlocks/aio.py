@@ -27,7 +27,6 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from distlocks.backends.base import backoff, check_wait
-from distlocks.exceptions import LockNotAcquired
 from distlocks.handler import DEFAULT_ALIAS
 from distlocks.holds import Hold, acting_for
 from distlocks.lock import _DEFAULT, DistributedLock
@@ -197,9 +196,7 @@ class AsyncDistributedLock:
 
     async def __aenter__(self) -> AsyncDistributedLock:
         if not await self.acquire():
-            raise LockNotAcquired(
-                self.lock._message(f"not acquired within {self.wait}s"), name=self.name, alias=self.alias
-            )
+            raise self.lock._not_acquired(self.wait)
         return self
 
     async def __aexit__(

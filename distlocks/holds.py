@@ -34,7 +34,7 @@ class Hold:
     """One thread's hold on one lock: shared by every lock object for that name."""
 
     lock_class: type
-    backend: BaseLockBackend  # the holding thread's: it releases there
+    backend: BaseLockBackend  # the instance it was taken with (see backend_here)
     alias: str
     name: str
     key: str

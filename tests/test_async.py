@@ -323,3 +323,16 @@ def test_a_task_that_ends_holding_a_session_bound_lock_frees_it(alias, name):
         await other.release()
 
     run(main())
+
+
+def test_async_with_raises_lock_not_acquired_when_the_wait_runs_out(alias, name):
+    async def main():
+        holder = Holder(name, alias)
+        try:
+            with pytest.raises(distlocks.LockNotAcquired, match="not acquired within 0.3s"):
+                async with distlocks.alock(name, using=alias, wait=0.3):
+                    pytest.fail("the body ran without the lock")
+        finally:
+            assert holder.release() is None
+
+    run(main())
