@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from distlocks.aio import AsyncDistributedLock, alock
 from distlocks.exceptions import (
     BackendUnavailable,
     LockError,
@@ -16,6 +17,7 @@ from distlocks.rwlock import ReadWriteLock, read_write_lock
 from distlocks.semaphore import Semaphore, semaphore
 
 __all__ = [
+    "AsyncDistributedLock",
     "BackendUnavailable",
     "DistributedLock",
     "LockError",
@@ -26,6 +28,7 @@ __all__ = [
     "ReadWriteLock",
     "Semaphore",
     "StaleToken",
+    "alock",
     "lock",
     "multi_lock",
     "read_write_lock",

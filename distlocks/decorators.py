@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import math
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from inspect import iscoroutinefunction
 from typing import Any
@@ -14,6 +12,7 @@ from typing import Any
 from django.db import connections, transaction
 from django.http import HttpRequest, HttpResponse
 
+from distlocks.aio import AsyncDistributedLock
 from distlocks.backends.base import check_positive_number, check_wait
 from distlocks.handler import DEFAULT_ALIAS
 from distlocks.lock import DistributedLock
@@ -92,34 +91,21 @@ def _async_wrapper(
     make_lock: Callable[[HttpRequest, tuple[Any, ...], dict[str, Any]], DistributedLock],
     on_locked: LockedHandler,
 ) -> View:
-    """Hold the lock around an async view from a thread of the request's own.
+    """Hold the lock around an async view as ``alock`` does: owned by the request's task, waiting on the loop.
 
-    A lock belongs to the thread that takes it; requests sharing the event loop
-    (or one ``sync_to_async`` thread) would otherwise re-enter each other's
-    lock. The thread waits, so the event loop never blocks, and it stays alive
-    while the view runs, so the watchdog keeps renewing. Django refuses
-    ``ATOMIC_REQUESTS`` for async views, so there is no transaction to order.
+    Django refuses ``ATOMIC_REQUESTS`` for async views, so there is no
+    transaction to order, and the lock is released at once.
     """
 
     @functools.wraps(view)
     async def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
         lock = make_lock(request, args, kwargs)
-        loop = asyncio.get_running_loop()
-        holder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distlocks-view")
+        held = AsyncDistributedLock(lock.name, using=lock.alias, ttl=lock.ttl, wait=lock.wait, renew=lock.renew)
+        if not await held.acquire():
+            return on_locked(request, lock)
         try:
-            if not await loop.run_in_executor(holder, lock.acquire):
-                return on_locked(request, lock)
             return await view(request, *args, **kwargs)
         finally:
-            # One thread runs its jobs in order: even when the request was
-            # cancelled while waiting, this release runs after that acquire.
-            releasing = loop.run_in_executor(holder, _release_if_held, lock)
-            holder.shutdown(wait=False)
-            await releasing
+            await held.release()
 
     return wrapper
-
-
-def _release_if_held(lock: DistributedLock) -> None:
-    if lock.hold_count:
-        lock.release()

@@ -1,12 +1,14 @@
-"""A thread's holds on locks: what the lock and the watchdog share, in a module of its own."""
+"""A thread's (or an asyncio task's) holds on locks: what the lock and the watchdog share, in a module of its own."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from distlocks.backends.base import BaseLockBackend
 from distlocks.owner import Owner
@@ -15,12 +17,27 @@ if TYPE_CHECKING:
     from distlocks.lock import DistributedLock
 
 
+class Holder(Protocol):
+    """What holds a lock and whose end the watchdog notices: a thread, or an asyncio task (``distlocks.aio``)."""
+
+    @property
+    def name(self) -> str: ...
+
+    def is_alive(self) -> bool: ...
+
+
+def current_holder() -> Holder:
+    """The holder the calling thread acts for: the task it runs a step of (``acting_for``), or itself."""
+    acting: tuple[Holder, dict[tuple[str, str], Hold]] | None = getattr(_local, "acting", None)
+    return threading.current_thread() if acting is None else acting[0]
+
+
 @dataclass(eq=False)
 class Hold:
     """One thread's hold on one lock: shared by every lock object for that name."""
 
     lock_class: type[DistributedLock]
-    backend: BaseLockBackend  # the holding thread's: it releases there
+    backend: BaseLockBackend  # the instance it was taken with (see backend_here)
     alias: str
     name: str
     key: str
@@ -30,7 +47,7 @@ class Hold:
     #: When the lease ends by this process's clock, counted from before the
     #: request that took or last renewed it: past it, the hold is not proven.
     lease_ends: float
-    thread: threading.Thread = field(default_factory=threading.current_thread)
+    thread: Holder = field(default_factory=current_holder)
     count: int = 1
     lost: bool = False
     lost_told: bool = False  # lock_lost was sent for it
@@ -48,16 +65,44 @@ class Hold:
         """
         self.lease_ends = max(self.lease_ends, started + (self.ttl if ttl is None else ttl))
 
+    def backend_here(self) -> BaseLockBackend:
+        """The backend instance to call about this hold from the calling thread.
+
+        A thread's hold is called on the instance it was taken with. A task's
+        hold moves between pool threads, and a database connection must stay in
+        the thread that opened it: the calling thread's instance of the alias
+        (every backend finds a hold by its owner, not by the instance).
+        """
+        if isinstance(self.thread, threading.Thread):
+            return self.backend
+        from distlocks.handler import locks
+
+        return self.lock_class.primitives(locks[self.alias])
+
 
 _local = threading.local()
 
 
 def holds() -> dict[tuple[str, str], Hold]:
-    """Return the calling thread's holds, keyed by (alias, key)."""
+    """Return the calling thread's holds (those of the task it acts for), keyed by (alias, key)."""
+    acting: tuple[Holder, dict[tuple[str, str], Hold]] | None = getattr(_local, "acting", None)
+    if acting is not None:
+        return acting[1]
     found: dict[tuple[str, str], Hold] | None = getattr(_local, "holds", None)
     if found is None:
         found = _local.holds = {}
     return found
+
+
+@contextlib.contextmanager
+def acting_for(holder: Holder, table: dict[tuple[str, str], Hold]) -> Iterator[None]:
+    """Make ``holder`` (a task) and its ``table`` of holds the calling thread's while the block runs."""
+    previous = getattr(_local, "acting", None)
+    _local.acting = (holder, table)
+    try:
+        yield
+    finally:
+        _local.acting = previous
 
 
 def _forget_holds_after_fork() -> None:

@@ -196,13 +196,15 @@ class DistributedLock(LockAPI):
         hold. Raise LockLost if the thread's hold was lost, BackendUnavailable if
         the server cannot be reached.
         """
-        called = time.monotonic()
-        wait = self.wait if wait is _DEFAULT else check_wait(wait)
+        return self._acquire(self.wait if wait is _DEFAULT else check_wait(wait), time.monotonic())
+
+    def _acquire(self, wait: float | None, called: float, tell_not_acquired: bool = True) -> bool:
+        """``acquire()`` called at ``called`` (monotonic); an async caller that tries again has the failure told later."""
         backend = self.primitives(locks[self.alias])
         mine = holds()
         hold = mine.get((self.alias, self.key))
         if hold is not None:
-            self._reenter(hold, backend)
+            self._reenter(hold, hold.backend_here())
             return True
         owner = current_owner()
         try:
@@ -211,8 +213,9 @@ class DistributedLock(LockAPI):
             self._failed(called, exc)
             raise
         if taken is None:
-            logger.debug("Lock %r on %r not acquired within %ss", self.name, self.alias, wait)
-            self._failed(called, None)
+            if tell_not_acquired:
+                logger.debug("Lock %r on %r not acquired within %ss", self.name, self.alias, wait)
+                self._failed(called, None)
             return False
         token, started = taken
         hold = Hold(type(self), backend, self.alias, self.name, self.key, owner, token, self.ttl, started + self.ttl)
@@ -320,19 +323,20 @@ class DistributedLock(LockAPI):
             return
         del mine[(self.alias, self.key)]
         watchdog().unwatch(hold)
+        backend = hold.backend_here()
         if hold.lost:
             with contextlib.suppress(Exception):  # our own leftovers (an expired row, a node), if any
-                if hold.backend.session_bound:
-                    hold.backend.drop(self.key, hold.owner)
+                if backend.session_bound:
+                    backend.drop(self.key, hold.owner)
                 else:
-                    hold.backend.release(self.key, hold.owner)
+                    backend.release(self.key, hold.owner)
             raise LockLost(self._message("was lost while held"), name=self.name, alias=self.alias)
         # An error here leaves the lease unrenewed: it runs out (a session-bound
         # backend deletes its node as soon as it can).
-        released = hold.backend.release(self.key, hold.owner)
+        released = backend.release(self.key, hold.owner)
         for _ in range(hold.uncounted if released else 0):
             # Inner holds whose release failed may still count on the server.
-            if not hold.backend.release(self.key, hold.owner):
+            if not backend.release(self.key, hold.owner):
                 break
         if not released:
             self._lost(hold, "its lease was gone at release")
@@ -346,7 +350,7 @@ class DistributedLock(LockAPI):
         if hold.lost:
             raise LockLost(self._message("was lost while held"), name=self.name, alias=self.alias)
         try:
-            still_held = hold.backend.release(self.key, hold.owner)
+            still_held = hold.backend_here().release(self.key, hold.owner)
         except Exception:
             hold.uncounted += 1  # the server may still count it: the last release makes sure
             raise

@@ -98,6 +98,15 @@ def task_owner(task_id: str, *, shared: bool = False) -> Owner:
     return dataclasses.replace(base, task=task_id, secret=secret)
 
 
+def asyncio_task_owner(task_name: str) -> Owner:
+    """A new identity for an asyncio task run by the calling thread (its event loop's).
+
+    Its secret is its own, not the thread's: the tasks on one loop are owners
+    apart, and the pool threads that run the task's calls act as it.
+    """
+    return dataclasses.replace(_thread_owner(), task=task_name, secret=secrets.token_hex(16))
+
+
 @contextlib.contextmanager
 def acting_as(owner: Owner) -> Iterator[Owner]:
     """Make ``owner`` the calling thread's identity (``current_owner()``) while the block runs."""

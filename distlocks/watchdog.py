@@ -117,8 +117,9 @@ class _Renewer:
 
 
 def _drop(hold: Hold) -> None:
-    """Free the hold of a thread that ended without releasing it, if nothing else would."""
-    logger.warning("Thread %s ended holding lock %r on %r", hold.thread.name, hold.name, hold.alias)
+    """Free the hold of a thread (or asyncio task) that ended without releasing it, if nothing else would."""
+    what = "Thread" if isinstance(hold.thread, threading.Thread) else "Task"
+    logger.warning("%s %s ended holding lock %r on %r", what, hold.thread.name, hold.name, hold.alias)
     if not hold.backend.session_bound:
         return  # nobody renews it any more: its lease runs out
     from distlocks.handler import locks

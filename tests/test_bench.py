@@ -22,6 +22,7 @@ QUICK = ["--cycles", "20", "--rounds", "1", "--seconds", "0.5"]
         ("redis_locks.py", ["--url", f"redis://127.0.0.1:{REDIS_PORT}/15", "--contended-rounds", "1"], "redis.json"),
         ("db_locks.py", [], "db.json"),
         ("zookeeper_locks.py", [], "zookeeper.json"),
+        ("async_locks.py", ["--url", f"redis://127.0.0.1:{REDIS_PORT}/15", "--contended-rounds", "1"], "async.json"),
     ],
 )
 def test_benchmark_runs_and_loses_no_update(script, arguments, results, tmp_path):

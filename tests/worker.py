@@ -50,6 +50,32 @@ def counter(alias: str, name: str, path: str, rounds: str, processes: str, locke
     say("done")
 
 
+def async_counter(alias: str, name: str, path: str, tasks: str, rounds: str, processes: str) -> None:
+    """``counter`` by ``tasks`` asyncio tasks on one loop, under ``alock``: every read-sleep-write is one update."""
+    import asyncio
+
+    file = Path(path)
+    Path(f"{path}.ready.{os.getpid()}").touch()
+    while len(list(file.parent.glob(f"{file.name}.ready.*"))) < int(processes):
+        time.sleep(0.01)
+
+    async def count() -> None:
+        lock = distlocks.alock(name, using=alias, ttl=30, wait=60)
+        for _ in range(int(rounds)):
+            async with lock:
+                value = int(file.read_text())
+                await asyncio.sleep(0.002)  # the other tasks run meanwhile
+                scratch = file.with_name(f"{file.name}.{os.getpid()}")
+                scratch.write_text(str(value + 1))
+                os.replace(scratch, file)
+
+    async def main() -> None:
+        await asyncio.gather(*(count() for _ in range(int(tasks))))
+
+    asyncio.run(main())
+    say("done")
+
+
 def guarded(alias: str, name: str, seconds: str, log: str) -> None:
     """Enter and leave a critical section under the lock for ``seconds``, logging each.
 
@@ -351,6 +377,7 @@ def queue_and_fork(alias: str, name: str) -> None:
 if __name__ == "__main__":
     scenario, *arguments = sys.argv[1:]
     scenarios: dict[str, Callable[..., None]] = {
+        "async_counter": async_counter,
         "counter": counter,
         "fenced_holder": fenced_holder,
         "fenced_race": fenced_race,

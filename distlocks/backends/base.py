@@ -92,6 +92,12 @@ def check_wait(wait: Any) -> float | None:
     return None if math.isinf(wait) else float(wait)
 
 
+def backoff(attempt: int, remaining: float | None) -> float:
+    """Seconds to sleep before the next attempt: capped exponential backoff with jitter, at most ``remaining``."""
+    delay = min(0.002 * 2 ** min(attempt, 5), 0.05) * random.uniform(0.5, 1.0)
+    return delay if remaining is None else max(0.0, min(delay, remaining))
+
+
 class BaseLockBackend:
     """Primitives a lock server offers; ``DistributedLock`` builds the lock on them.
 
@@ -151,8 +157,7 @@ class BaseLockBackend:
         waiters in many processes do not retry in lockstep. Backends whose server
         can notify a release override it.
         """
-        delay = min(0.002 * 2 ** min(attempt, 5), 0.05) * random.uniform(0.5, 1.0)
-        time.sleep(delay if remaining is None else min(delay, remaining))
+        time.sleep(backoff(attempt, remaining))
 
     def begin_wait(self, key: str) -> None:
         """Get ready for an acquire that may wait: a backend that queues waiters may queue this one at once."""

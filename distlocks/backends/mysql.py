@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import re
+from functools import cached_property
 from typing import Any
 
 from django.core import checks
@@ -35,8 +36,12 @@ _COLUMNS = "lock_name, lock_key, session, owner_host, owner_pid, owner_thread, o
 _VALUES = f"%s, %s, CONNECTION_ID(), %s, %s, %s, %s, 1, {_NOW}, {_LATER}"
 _HOLDING = "IS_USED_LOCK(n.lock_key) <=> n.session"
 # The lock and its lease in one statement: the row is written only if GET_LOCK took the lock.
-_TRY = f"REPLACE INTO {TABLE} ({_COLUMNS}) SELECT {_VALUES} FROM DUAL WHERE GET_LOCK(%s, 0) = 1"
-_WRITE = f"REPLACE INTO {TABLE} ({_COLUMNS}) VALUES ({_VALUES})"
+_TRY = "REPLACE INTO {table} ({columns}) SELECT {values} FROM DUAL WHERE GET_LOCK(%s, 0) = 1"
+_WRITE = "REPLACE INTO {table} ({columns}) VALUES ({values})"
+# MariaDB (migration 0004): the token from a sequence, returned as the statement's insert id.
+_SEQUENCED_COLUMNS = f"id, {_COLUMNS}"
+_SEQUENCED_VALUES = f"LAST_INSERT_ID(NEXTVAL(distlocks_native_token)), {_VALUES}"
+_TABLE_FULL = 1114  # the MEMORY table reached its size limit
 # Left to right: the lease is read before the lock is freed (and the next holder replaces the row).
 _UNLOCK = f"SELECT (SELECT COUNT(*) FROM {TABLE} WHERE id = %s AND expires_at > {_NOW}), RELEASE_LOCK(%s)"
 _HOLDER = (
@@ -70,8 +75,30 @@ class MySQLLockBackend(NativeLockBackend):
         who = [owner.host[:255], owner.pid, owner.thread_label[:255], owner.secret]
         return [key, self.server_key(key), *who, round(ttl * 1_000_000)]
 
+    @cached_property
+    def in_memory(self) -> bool:
+        """Whether the leases live in a MEMORY table with tokens from a sequence (MariaDB), else InnoDB."""
+        return bool(self._base().mysql_is_mariadb)  # type: ignore[attr-defined]
+
+    def _lease(self, statement: str) -> str:
+        if self.in_memory:
+            return statement.format(table=TABLE, columns=_SEQUENCED_COLUMNS, values=_SEQUENCED_VALUES)
+        return statement.format(table=TABLE, columns=_COLUMNS, values=_VALUES)
+
+    def _write_lease(self, cursor: Any, statement: str, params: list[Any], took_lock: bool) -> None:
+        """Write a lease row; a MEMORY table that is full is emptied of the rows of locks no longer held first."""
+        try:
+            cursor.execute(self._lease(statement), params)
+        except DatabaseError as exc:
+            if not (self.in_memory and exc.args and exc.args[0] == _TABLE_FULL):
+                raise
+            if took_lock:  # the failed statement may have taken the server's lock: free it before trying again
+                cursor.execute("SELECT RELEASE_ALL_LOCKS()")
+            cursor.execute(f"DELETE FROM {TABLE} WHERE NOT (IS_USED_LOCK(lock_key) <=> session)")
+            cursor.execute(self._lease(statement), params)
+
     def sql_try(self, cursor: Any, key: str, owner: Owner, ttl: float) -> int | None:
-        cursor.execute(_TRY, [*self._values(key, owner, ttl), self.server_key(key)])
+        self._write_lease(cursor, _TRY, [*self._values(key, owner, ttl), self.server_key(key)], took_lock=True)
         return int(cursor.lastrowid) if cursor.rowcount > 0 else None
 
     def sql_block(self, cursor: Any, key: str, seconds: float) -> bool:
@@ -79,7 +106,7 @@ class MySQLLockBackend(NativeLockBackend):
         return bool(cursor.fetchone()[0] == 1)
 
     def sql_write(self, cursor: Any, key: str, owner: Owner, ttl: float) -> int:
-        cursor.execute(_WRITE, self._values(key, owner, ttl))
+        self._write_lease(cursor, _WRITE, self._values(key, owner, ttl), took_lock=False)
         return int(cursor.lastrowid)
 
     def sql_unlock(self, cursor: Any, key: str, token: int) -> bool:
@@ -119,9 +146,13 @@ class MySQLLockBackend(NativeLockBackend):
         return list(cursor.fetchall())
 
     def sql_force_release(self, cursor: Any, key: str, token: int | None) -> bool:
-        """Compare under a row lock, then end the holding session: its next acquisition waits for the row."""
+        """Compare under a lock (of the row; of the MEMORY table, which has no row locks), then end the
+        holding session: its next acquisition waits for that lock, so a stale token never ends a new hold."""
         mine = "" if token is None else " AND n.id = %s"
-        cursor.execute("START TRANSACTION")
+        if self.in_memory:
+            cursor.execute(f"LOCK TABLES {TABLE} AS n WRITE, {TABLE} WRITE")
+        else:
+            cursor.execute("START TRANSACTION")
         try:
             cursor.execute(
                 f"SELECT n.id, n.session FROM {TABLE} n WHERE n.lock_name = %s{mine} AND {_HOLDING} FOR UPDATE",
@@ -133,7 +164,7 @@ class MySQLLockBackend(NativeLockBackend):
                 cursor.execute(f"DELETE FROM {TABLE} WHERE id = %s", [row[0]])
         finally:
             with contextlib.suppress(DatabaseError):
-                cursor.execute("COMMIT")
+                cursor.execute("UNLOCK TABLES" if self.in_memory else "COMMIT")
         return row is not None
 
     def sql_clear_expired(self, cursor: Any, dry_run: bool) -> int:

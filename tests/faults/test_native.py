@@ -165,3 +165,23 @@ def test_check_warns_when_postgresql_is_reached_through_a_proxy(alias, settings)
         close_connections()
         proxy.close()
         del connections.settings["proxied"]
+
+
+@pytest.mark.parametrize("alias", ["mariadb_native"], indirect=True)
+def test_a_full_memory_lease_table_makes_room_from_the_rows_of_freed_locks(alias, name):
+    # MariaDB keeps the leases in a MEMORY table, which a size limit can fill with the rows of freed locks.
+    with connections["mariadb"].cursor() as cursor:
+        cursor.execute("ALTER TABLE distlocks_native_lease MAX_ROWS = 4")
+    try:
+        tokens = []
+        with distlocks.lock(f"{name}-held", using=alias):
+            for i in range(12):
+                with distlocks.lock(f"{name}-{i}", using=alias) as held:
+                    tokens.append(held.token)
+            assert tokens == sorted(set(tokens))  # every one taken, tokens growing
+            assert [info.name for info in locks[alias].held()] == [locks[alias].make_key(f"{name}-held")]
+            # A lock taken while the table was full is held by no other session: the failed statement's lock was freed.
+            assert all(free_elsewhere(f"{name}-{i}", alias) for i in range(12))
+    finally:
+        with connections["mariadb"].cursor() as cursor:
+            cursor.execute("ALTER TABLE distlocks_native_lease MAX_ROWS = 0")

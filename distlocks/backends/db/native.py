@@ -70,12 +70,17 @@ class Deadlocked(BackendUnavailable):
 class _Hold:
     connection: BaseDatabaseWrapper
     token: int
+    #: The instance whose idle connections it came from, and goes back to
+    #: (from whatever thread releases it), so that no thread hoards them.
+    home: NativeLockBackend
     count: int = 1
 
 
-# Every hold of this process by (alias, key, owner secret): the watchdog's
-# thread frees the hold of a thread that ended by closing its connection.
-_holding: dict[tuple[str, str, str], BaseDatabaseWrapper] = {}
+# Every hold of this process by (alias, key, owner secret), whichever thread's
+# backend instance took it: an asyncio task's hold is released from another
+# pool thread, and the watchdog's thread frees the hold of a thread that ended
+# by closing its connection.
+_holding: dict[tuple[str, str, str], _Hold] = {}
 _holding_lock = threading.Lock()
 
 
@@ -99,7 +104,6 @@ class NativeLockBackend(BaseLockBackend):
         super().__init__(alias, params)
         self.database, self.connect_timeout, self.timeout = connection_options(alias, self.options)
         self._idle: list[BaseDatabaseWrapper] = []
-        self._held: dict[str, _Hold] = {}
         self._won: dict[str, BaseDatabaseWrapper] = {}  # taken inside wait(), recorded by the next try_acquire
         self._lease_left: dict[str, float | None] = {}
 
@@ -233,9 +237,8 @@ class NativeLockBackend(BaseLockBackend):
         if token is None:
             self._put(connection)
             return None
-        self._held[key] = _Hold(connection, token)
         with _holding_lock:
-            _holding[(self.alias, key, owner.secret)] = connection
+            _holding[(self.alias, key, owner.secret)] = _Hold(connection, token, self)
         return token
 
     def _attempt(self, connection: BaseDatabaseWrapper, key: str, owner: Owner, ttl: float) -> int | None:
@@ -289,21 +292,19 @@ class NativeLockBackend(BaseLockBackend):
                 won.close()
 
     def _mine(self, key: str, owner: Owner) -> _Hold | None:
-        hold = self._held.get(key)
+        hold = _holding.get((self.alias, key, owner.secret))
         if hold is None or not tracked(hold.connection):  # not held, or held by the parent of this fork
             return None
         close_if_dropped(hold.connection)
         if hold.connection.connection is None:  # the session ended: so did the server's lock
             self._forget(key, owner)
-            self._put(hold.connection)
+            hold.home._put(hold.connection)
             return None
         return hold
 
-    def _forget(self, key: str, owner: Owner) -> BaseDatabaseWrapper | None:
-        hold = self._held.pop(key, None)
+    def _forget(self, key: str, owner: Owner) -> None:
         with _holding_lock:
             _holding.pop((self.alias, key, owner.secret), None)
-        return hold.connection if hold else None
 
     def reenter(self, key: str, owner: Owner, ttl: float) -> bool:
         hold = self._mine(key, owner)
@@ -313,7 +314,7 @@ class NativeLockBackend(BaseLockBackend):
             renewed = self._run(hold.connection, lambda c: self.sql_renew(c, key, owner.secret, ttl, 1))
         except BackendUnavailable:
             self._forget(key, owner)  # its session is gone, and the server's lock with it
-            self._put(hold.connection)
+            hold.home._put(hold.connection)
             return False
         if renewed:
             hold.count += 1
@@ -330,10 +331,10 @@ class NativeLockBackend(BaseLockBackend):
             live = self._run(hold.connection, lambda c: self.sql_unlock(c, key, hold.token))
         except BackendUnavailable:
             self._forget(key, owner)
-            self._put(hold.connection)
+            hold.home._put(hold.connection)
             return False
         self._forget(key, owner)
-        self._put(hold.connection)
+        hold.home._put(hold.connection)
         return live
 
     def extend(self, key: str, owner: Owner, ttl: float) -> bool:
@@ -342,12 +343,11 @@ class NativeLockBackend(BaseLockBackend):
     def drop(self, key: str, owner: Owner) -> bool:
         """Free ``owner``'s hold of ``key`` by closing its session (from any thread of the process)."""
         with _holding_lock:
-            connection = _holding.pop((self.alias, key, owner.secret), None)
-        self._held.pop(key, None)
-        if connection is None:
+            hold = _holding.pop((self.alias, key, owner.secret), None)
+        if hold is None:
             return False
         with contextlib.suppress(Exception):
-            connection.close()
+            hold.connection.close()
         return True
 
     # -- inspection and maintenance ----------------------------------------------

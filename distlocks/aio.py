@@ -1,0 +1,234 @@
+"""``alock()``: the lock for asyncio code, owned by the task, on the sync core.
+
+Each call to the server runs in one bounded pool of threads shared by the
+process, acting as the calling task (its owner identity and its table of
+holds: see ``holds.acting_for``), so that reentrancy, tokens, signals and the
+watchdog are the sync lock's own. Waiting happens on the event loop: between
+attempts the task sleeps there with the core's backoff, holding no thread and
+no queue entry on the server, so that a cancelled waiter leaves nothing behind.
+The process's watchdog renews a task's holds from its own threads: a loop that
+stalls past the lease keeps its locks, and a hold that could not be renewed is
+marked lost (``lost``; ``release()`` raises LockLost).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import functools
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, TypeVar
+
+from distlocks.backends.base import backoff, check_wait
+from distlocks.handler import DEFAULT_ALIAS
+from distlocks.holds import Hold, acting_for
+from distlocks.lock import _DEFAULT, DistributedLock
+from distlocks.owner import Owner, acting_as, asyncio_task_owner
+
+T = TypeVar("T")
+
+#: The threads that run the async locks' calls to their servers, for the whole process.
+POOL_SIZE = 8
+
+
+class _Pool:
+    """One bounded executor per process (a forked child starts a new one)."""
+
+    def __init__(self) -> None:
+        self.executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self.pid = 0
+        self.lock = threading.Lock()
+
+    def get(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self.lock:
+            if self.executor is None or self.pid != os.getpid():
+                self.executor = concurrent.futures.ThreadPoolExecutor(POOL_SIZE, thread_name_prefix="distlocks-aio")
+                self.pid = os.getpid()
+            return self.executor
+
+
+_pool = _Pool()
+
+
+class _TaskHolder:
+    """A task as the watchdog sees a holder: alive until it is done (a weak reference: no cycle)."""
+
+    def __init__(self, task: asyncio.Task[Any]) -> None:
+        self._task = weakref.ref(task)
+        self.name = task.get_name()
+
+    def is_alive(self) -> bool:
+        task = self._task()
+        return task is not None and not task.done()
+
+
+@dataclass
+class _TaskState:
+    """A task's identity and holds, as the pool threads act for it."""
+
+    owner: Owner
+    holder: _TaskHolder
+    holds: dict[tuple[str, str], Hold] = field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def acting(self) -> Iterator[None]:
+        with acting_as(self.owner), acting_for(self.holder, self.holds):
+            yield
+
+    def run(self, func: Callable[..., T], *args: Any) -> T:
+        with self.acting():
+            return func(*args)
+
+
+_tasks: weakref.WeakKeyDictionary[asyncio.Task[Any], _TaskState] = weakref.WeakKeyDictionary()
+
+
+def _current() -> _TaskState:
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # no running event loop
+        task = None
+    if task is None:
+        raise RuntimeError("an async lock is used from an asyncio task (it belongs to the task)")
+    state = _tasks.get(task)
+    if state is None:
+        state = _tasks[task] = _TaskState(asyncio_task_owner(task.get_name()), _TaskHolder(task))
+    return state
+
+
+class AsyncDistributedLock:
+    """A named lock for asyncio code: the same lock as ``lock()`` with the same name and alias.
+
+    Ownership, hold count and token belong to the calling task, so one object
+    may be shared by many tasks. Use ``async with`` or ``await acquire()`` /
+    ``await release()``; ``token``, ``hold_count`` and ``lost`` read the calling
+    task's hold without a request.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        using: str = DEFAULT_ALIAS,
+        ttl: float | None = None,
+        wait: float | None = None,
+        renew: bool = True,
+    ) -> None:
+        self.lock = DistributedLock(name, using=using, ttl=ttl, wait=wait, renew=renew)
+
+    @property
+    def name(self) -> str:
+        return self.lock.name
+
+    @property
+    def alias(self) -> str:
+        return self.lock.alias
+
+    @property
+    def wait(self) -> float | None:
+        return self.lock.wait
+
+    def __repr__(self) -> str:
+        return f"<AsyncDistributedLock {self.name!r} using={self.alias!r} ttl={self.lock.ttl} wait={self.wait}>"
+
+    @property
+    def token(self) -> int:
+        """The calling task's fencing token; raise LockNotOwned if it does not hold the lock."""
+        with _current().acting():
+            return self.lock.token
+
+    @property
+    def hold_count(self) -> int:
+        """How many times the calling task holds the lock (0: not held)."""
+        with _current().acting():
+            return self.lock.hold_count
+
+    @property
+    def lost(self) -> bool:
+        """True if the calling task held the lock and its lease was lost."""
+        with _current().acting():
+            return self.lock.lost
+
+    async def acquire(self, wait: float | None = _DEFAULT) -> bool:
+        """Acquire the lock, waiting at most ``wait`` seconds on the event loop; return True if acquired.
+
+        As ``DistributedLock.acquire``. Cancelling the waiting task leaves no
+        trace: an attempt under way when it is cancelled is undone once it ends.
+        """
+        called = time.monotonic()
+        wait = self.wait if wait is _DEFAULT else check_wait(wait)
+        deadline = None if wait is None else called + wait
+        state = _current()
+        attempt = 0
+        while True:
+            if await self._attempt(state, called):
+                return True
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                self.lock._failed(called, None)
+                return False
+            await asyncio.sleep(backoff(attempt, remaining))
+            attempt += 1
+
+    async def _attempt(self, state: _TaskState, called: float) -> bool:
+        """Try once (or re-enter) in the pool; if the task is cancelled meanwhile, release what it took."""
+        attempt = _submit(state, self.lock._acquire, 0, called, False)
+        try:
+            return await asyncio.shield(attempt)
+        except asyncio.CancelledError:
+            attempt.add_done_callback(functools.partial(self._undo, state))
+            raise
+
+    def _undo(self, state: _TaskState, attempt: asyncio.Future[bool]) -> None:
+        if not attempt.cancelled() and attempt.exception() is None and attempt.result():
+            _pool.get().submit(state.run, self.lock.release)
+
+    async def release(self) -> None:
+        """Release one hold, as ``DistributedLock.release``; it completes even if the task is cancelled meanwhile."""
+        await _finish(_submit(_current(), self.lock.release))
+
+    async def __aenter__(self) -> AsyncDistributedLock:
+        if not await self.acquire():
+            raise self.lock._not_acquired(self.wait)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.release()
+
+
+def _submit(state: _TaskState, func: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+    """Run ``func(*args)`` in the pool, acting as the task of ``state``."""
+    return asyncio.get_running_loop().run_in_executor(_pool.get(), state.run, func, *args)
+
+
+async def _finish(call: asyncio.Future[T]) -> T:
+    """Await ``call``, which runs on to its end even if the task is cancelled meanwhile."""
+    try:
+        return await asyncio.shield(call)
+    except asyncio.CancelledError:
+        call.add_done_callback(lambda done: done.cancelled() or done.exception())  # retrieved: not logged
+        raise
+
+
+def alock(
+    name: str,
+    *,
+    using: str = DEFAULT_ALIAS,
+    ttl: float | None = None,
+    wait: float | None = None,
+    renew: bool = True,
+) -> AsyncDistributedLock:
+    """Return an asyncio lock on ``name`` from the ``using`` backend (see AsyncDistributedLock)."""
+    return AsyncDistributedLock(name, using=using, ttl=ttl, wait=wait, renew=renew)
