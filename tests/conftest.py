@@ -157,11 +157,13 @@ def lock_factory(alias, name):
                 lk.release()
 
 
-def queue_waiters(name, alias, labels, *, gap, hold=0.0):
+def queue_waiters(name, alias, labels, *, gap, hold=0.0, queued=None):
     """Start one thread per label that waits for the lock, in this order, ``gap`` seconds apart.
 
-    Return (threads, order): each thread appends its label to ``order`` once it
-    holds the lock, then keeps it ``hold`` seconds.
+    With ``queued`` (a function of how many are started), each is started once
+    ``queued(started)`` is true: the ones before are in the queue. Return
+    (threads, order): each thread appends its label to ``order`` once it holds
+    the lock, then keeps it ``hold`` seconds.
     """
     order = []
 
@@ -176,6 +178,10 @@ def queue_waiters(name, alias, labels, *, gap, hold=0.0):
         thread.start()
         threads.append(thread)
         time.sleep(gap)
+        deadline = time.monotonic() + 30
+        while queued is not None and not queued(len(threads)):
+            assert time.monotonic() < deadline, f"{label} did not queue in time"
+            time.sleep(0.01)
     return threads, order
 
 

@@ -20,6 +20,7 @@ from distlocks.handler import locks
 from distlocks.owner import current_owner
 from tests.conftest import DB, DB_ALIASES, NATIVE_ALIASES, Holder
 from tests.faults.conftest import FreezableProxy
+from tests.faults.test_core import until
 from tests.test_lock import in_thread
 
 pytestmark = DB
@@ -309,3 +310,25 @@ def test_new_holder_keeps_the_lock_when_force_release_has_a_stale_token(alias, n
     assert in_thread(lambda: take(name, alias)) is False
     assert backend.force_release(first.key, token=holder.token) is True
     assert isinstance(holder.release(), distlocks.LockLost)
+
+
+@pytest.mark.parametrize("alias", DB_ALIASES, indirect=True)
+def test_a_killed_waiter_does_not_hold_up_the_queue(alias, name, workers):
+    from distlocks.backends.db.backend import WAITER_LEASE
+    from distlocks.models import LockWaiter
+
+    queue = LockWaiter.objects.using(locks[alias].database).filter(lock_name=locks[alias].make_key(name))
+    holder = Holder(name, alias, ttl=60)
+    first = workers("take", alias, name, 60)
+    until(lambda: queue.count() == 1, 30)
+    second = workers("take", alias, name, 60)
+    until(lambda: queue.count() == 2, 30)
+    first.kill()  # SIGKILL: its place stays in the table, ahead of the second waiter's
+    assert holder.release() is None
+    started = time.monotonic()
+    word, _token = second.line()
+    waited = time.monotonic() - started
+    # Served once the dead waiter's place ran out, long before the 60 s it would wait.
+    assert word == "acquired"
+    assert waited < 30, f"the next waiter got the lock only after {waited:.1f} s (places last {WAITER_LEASE} s)"
+    second.finish()
