@@ -114,6 +114,14 @@ DEMO_LOCK_TTL = float(os.environ.get("DEMO_LOCK_TTL", "30"))
 DISTLOCKS: dict[str, dict[str, Any]] = {
     "default": {"BACKEND": "distlocks.backends.db.DatabaseBackend", "TTL": DEMO_LOCK_TTL}
 }
+# On MariaDB or PostgreSQL, the "native" lock alias: the server's own lock
+# (GET_LOCK, advisory locks) on the same database.
+NATIVE_LOCKS = {
+    "mariadb": "distlocks.backends.mysql.MySQLLockBackend",
+    "postgresql": "distlocks.backends.postgresql.AdvisoryLockBackend",
+}
+if _native := NATIVE_LOCKS.get(os.environ.get("DISTLOCKS_DB", "sqlite")):
+    DISTLOCKS["native"] = {"BACKEND": _native}
 
 CACHES: dict[str, dict[str, Any]] = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
 

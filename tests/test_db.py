@@ -66,7 +66,7 @@ def test_bad_timeout_option_is_improperly_configured(settings, timeout):
         distlocks.lock("x", using="db")
 
 
-def _queued(alias, name):
+def places_queued(alias, name):
     """How many places the queue of ``name`` on ``alias`` has, live or not."""
     from distlocks.models import LockWaiter
 
@@ -78,7 +78,7 @@ def test_waiters_get_the_lock_first_come_first_served(alias, name):
     holder = distlocks.lock(name, using=alias)
     holder.acquire()
     threads, order = queue_waiters(
-        name, alias, "ABCD", gap=0, hold=0.01, queued=lambda started: _queued(alias, name) == started
+        name, alias, "ABCD", gap=0, hold=0.01, queued=lambda started: places_queued(alias, name) == started
     )
     holder.release()
     # The releaser asks again at once, but the waiters are ahead of it: it waits its turn.
@@ -87,14 +87,14 @@ def test_waiters_get_the_lock_first_come_first_served(alias, name):
     holder.release()
     for thread in threads:
         thread.join(10)
-    assert _queued(alias, name) == 0
+    assert places_queued(alias, name) == 0
 
 
 @pytest.mark.parametrize("alias", DB_ALIASES, indirect=True)
 def test_a_waiter_that_gives_up_leaves_the_queue(alias, name, lock_factory):
     lock_factory().acquire()
     assert in_thread(lambda: lock_factory().acquire(wait=0.3)) is False
-    assert _queued(alias, name) == 0
+    assert places_queued(alias, name) == 0
 
 
 @pytest.mark.parametrize("alias", DB_ALIASES, indirect=True)
@@ -107,4 +107,4 @@ def test_cleanup_deletes_the_places_of_waiters_that_crashed(alias, name):
     # An expired place holds up nobody, and the cleanup deletes it.
     assert in_thread(lambda: distlocks.lock(name, using=alias).acquire(wait=0)) is True
     locks[alias].clear_expired()
-    assert _queued(alias, name) == 0
+    assert places_queued(alias, name) == 0
