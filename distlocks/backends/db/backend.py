@@ -72,6 +72,20 @@ class _Place:
 RAISE = _Raise()
 
 
+def _sleep(delay: float, deadline: float | None) -> bool:
+    """Sleep for ``delay`` seconds with jitter (so that waiters do not poll in lockstep), not past ``deadline``.
+
+    Return False, without sleeping, if the deadline (monotonic) has passed.
+    """
+    pause = delay * random.uniform(0.5, 1.0)
+    if deadline is not None:
+        pause = min(pause, deadline - time.monotonic())
+        if pause <= 0:
+            return False
+    time.sleep(pause)
+    return True
+
+
 def _timed_out(exc: Exception | None) -> bool:
     if exc is None:
         return False
@@ -225,12 +239,8 @@ class DatabaseBackend(BaseLockBackend):
             else:
                 head_since = head_since or time.monotonic()
                 delay = min(delay * 2, _POLL_MAX) if time.monotonic() - head_since > _HEAD_FAST else _POLL_FIRST
-            pause = delay * random.uniform(0.5, 1.0)
-            if deadline is not None:
-                pause = min(pause, deadline - time.monotonic())
-                if pause <= 0:
-                    return
-            time.sleep(pause)
+            if not _sleep(delay, deadline):
+                return
 
     @staticmethod
     def _look(key: str, place: int, connection: BaseDatabaseWrapper) -> tuple[int, int]:
@@ -275,12 +285,8 @@ class DatabaseBackend(BaseLockBackend):
         deadline = None if remaining is None else time.monotonic() + remaining
         delay = _POLL_FIRST
         while True:
-            pause = delay * random.uniform(0.5, 1.0)
-            if deadline is not None:
-                pause = min(pause, deadline - time.monotonic())
-                if pause <= 0:
-                    return
-            time.sleep(pause)
+            if not _sleep(delay, deadline):
+                return
 
             def is_live(connection: BaseDatabaseWrapper) -> bool:
                 with connection.cursor() as cursor:
