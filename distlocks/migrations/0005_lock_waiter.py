@@ -13,7 +13,7 @@ def unlogged_queue(apps, schema_editor):
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("distlocks", "0003_native_lease"),
+        ("distlocks", "0004_native_lease_in_memory"),
     ]
 
     operations = [
