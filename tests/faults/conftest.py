@@ -12,8 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
+from django.conf import settings
+from django.db import connections
+from django.test import override_settings
 
 import distlocks
+from distlocks.backends.db import close_connections
 from tests.servers import RedisServer, answers
 
 
@@ -236,3 +240,26 @@ def galera(tmp_path):
     finally:
         process.terminate()
         process.wait(60)
+
+
+@contextlib.contextmanager
+def behind_proxy(alias):
+    """Yield a FreezableProxy to the database of lock ``alias``, and lock alias "proxied" (TIMEOUT 1 s) through it.
+
+    On the way out the Django connection "proxied" is forgotten too: a later
+    use of the name must not reach this proxy's closed port.
+    """
+    database = settings.DISTLOCKS[alias].get("OPTIONS", {}).get("DATABASE", "default")
+    database_settings = dict(connections[database].settings_dict)
+    proxy = FreezableProxy(int(database_settings["PORT"]))
+    connections.settings["proxied"] = {**database_settings, "HOST": "127.0.0.1", "PORT": str(proxy.port)}
+    proxied = {"BACKEND": settings.DISTLOCKS[alias]["BACKEND"], "OPTIONS": {"DATABASE": "proxied", "TIMEOUT": 1}}
+    try:
+        with override_settings(DISTLOCKS={**settings.DISTLOCKS, "proxied": proxied}):
+            yield proxy
+    finally:
+        close_connections()  # while the proxy still passes the goodbye on
+        proxy.close()
+        del connections.settings["proxied"]
+        with contextlib.suppress(AttributeError):
+            del connections["proxied"]

@@ -15,11 +15,10 @@ from django.db import connections
 from django.test import override_settings
 
 import distlocks
-from distlocks.backends.db import close_connections
 from distlocks.handler import locks
 from distlocks.owner import current_owner
 from tests.conftest import DB, DB_ALIASES, NATIVE_ALIASES, Holder
-from tests.faults.conftest import FreezableProxy
+from tests.faults.conftest import behind_proxy
 from tests.faults.test_core import until
 from tests.test_lock import in_thread
 
@@ -235,24 +234,6 @@ def test_acquire_and_extend_end_within_timeout_when_lock_table_is_locked(alias, 
         held.release()
         assert other.acquire(wait=0)
         other.release()
-
-
-@contextlib.contextmanager
-def behind_proxy(alias):
-    """Yield a FreezableProxy to ``alias``'s server, and lock alias "proxied" (TIMEOUT 1 s) that goes through it."""
-    database = dict(connections[alias].settings_dict)
-    proxy = FreezableProxy(int(database["PORT"]))
-    connections.settings["proxied"] = {**database, "HOST": "127.0.0.1", "PORT": str(proxy.port)}
-    proxied = {"BACKEND": settings.DISTLOCKS[alias]["BACKEND"], "OPTIONS": {"DATABASE": "proxied", "TIMEOUT": 1}}
-    try:
-        with override_settings(DISTLOCKS={**settings.DISTLOCKS, "proxied": proxied}):
-            yield proxy
-    finally:
-        close_connections()  # while the proxy still passes the goodbye on
-        proxy.close()
-        del connections.settings["proxied"]
-        with contextlib.suppress(AttributeError):
-            del connections["proxied"]
 
 
 @servers

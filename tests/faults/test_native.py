@@ -18,7 +18,7 @@ from distlocks.backends.mysql import server_name
 from distlocks.handler import locks
 from distlocks.signals import lock_lost
 from tests.conftest import DB, NATIVE_ALIASES, Holder, queue_waiters
-from tests.faults.conftest import FreezableProxy, free_elsewhere
+from tests.faults.conftest import behind_proxy, free_elsewhere
 from tests.faults.test_db import kill_session
 from tests.test_db import places_queued
 
@@ -154,19 +154,10 @@ def call(command, *args):
 
 
 @pytest.mark.parametrize("alias", ["postgresql_native"], indirect=True)
-def test_check_warns_when_postgresql_is_reached_through_a_proxy(alias, settings):
-    database = dict(connections["postgresql"].settings_dict)
-    proxy = FreezableProxy(int(database["PORT"]))
-    connections.settings["proxied"] = {**database, "HOST": "127.0.0.1", "PORT": str(proxy.port)}
-    backend = "distlocks.backends.postgresql.AdvisoryLockBackend"
-    settings.DISTLOCKS = {**settings.DISTLOCKS, "proxied": {"BACKEND": backend, "OPTIONS": {"DATABASE": "proxied"}}}
-    try:
+def test_check_warns_when_postgresql_is_reached_through_a_proxy(alias):
+    with behind_proxy(alias):
         assert [message.id for message in locks[alias].ping()] == []
         assert [message.id for message in locks["proxied"].ping()] == ["distlocks.W012"]
-    finally:
-        close_connections()
-        proxy.close()
-        del connections.settings["proxied"]
 
 
 @pytest.mark.parametrize("alias", ["mariadb_native"], indirect=True)
