@@ -47,7 +47,7 @@ from bench.common import arguments, bump, contend, time_cycles  # noqa: E402
 
 DATABASES = ["default", "mariadb", "postgresql"]
 IMPLS = ["floor", "django-db-mutex", "distlocks", "native"]
-# The native backends' aliases (tests/settings.py), on the databases that have them.
+# The native backends' aliases (bench/settings.py), on the databases that have them.
 NATIVE = {"mariadb": "mariadb_native", "postgresql": "postgresql_native"}
 PROCESSES = 4
 

@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import arguments, bump, contend, time_cycles  # noqa: E402
 
-os.environ["DJANGO_SETTINGS_MODULE"] = "tests.settings"
+os.environ["DJANGO_SETTINGS_MODULE"] = "bench.settings"
 
 IMPLS = [
     "floor",

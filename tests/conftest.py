@@ -31,7 +31,26 @@ LEASE_ALIASES = [alias for alias in ALIASES if alias != "zookeeper"]
 DB = pytest.mark.django_db(transaction=True, databases=DB_ALIASES)
 
 
-@pytest.fixture(scope="session", autouse=True)
+# The servers that the lock aliases of the ``alias`` parametrisation need.
+ALIAS_SERVERS = {"redis": "redis", "redlock": "redis", "zookeeper": "zookeeper"}
+SERVER_FIXTURES = {"redis": "redis_servers", "zookeeper": "zookeeper_server"}
+
+
+@pytest.fixture(autouse=True)
+def _servers(request):
+    """Start (once a session) the servers this test needs: its ``alias``'s, and those its ``servers`` marker names.
+
+    So a test of SQLite alone starts no Redis and no JVM.
+    """
+    needed = {name for marker in request.node.iter_markers("servers") for name in marker.args}
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and callspec.params.get("alias") in ALIAS_SERVERS:
+        needed.add(ALIAS_SERVERS[callspec.params["alias"]])
+    for server in sorted(needed):
+        request.getfixturevalue(SERVER_FIXTURES[server])
+
+
+@pytest.fixture(scope="session")
 def redis_servers():
     """The tests' Redis servers on loopback ports of their own: one, and five Redlock nodes."""
     taken = [port for port in [REDIS_PORT, *REDLOCK_PORTS] if answers(port)]
@@ -43,7 +62,7 @@ def redis_servers():
         server.stop()
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="session")
 def zookeeper_server(tmp_path_factory):
     """The tests' standalone ZooKeeper, on a loopback port of its own."""
     assert not zk_answers(ZK_PORT), (

@@ -19,7 +19,7 @@ from distlocks.models import Lock
 from .conftest import DB, DB_ALIASES, ROOT, worker_env
 from .servers import REDLOCK_PORTS, redis_url
 
-pytestmark = DB
+pytestmark = [DB, pytest.mark.servers("redis", "zookeeper")]
 
 
 def cleanup(*args):

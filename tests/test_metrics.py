@@ -18,7 +18,7 @@ from tests.faults.conftest import frozen
 from tests.servers import REDIS_PORT, RedisServer
 from tests.test_lock import in_thread
 
-pytestmark = DB
+pytestmark = [DB, pytest.mark.servers("redis")]
 
 RECEIVERS = {
     lock_acquired: "distlocks.metrics.acquired",

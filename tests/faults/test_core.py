@@ -18,7 +18,7 @@ from distlocks.signals import lock_acquired, lock_lost
 from tests.conftest import ALIASES, DB, LEASE_ALIASES, REDIS_PORT, Holder
 from tests.faults.conftest import FreezableProxy, free_elsewhere, frozen
 
-pytestmark = DB
+pytestmark = [DB, pytest.mark.servers("redis", "zookeeper")]
 
 
 def until(condition, seconds=10.0):
