@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 from demo_shop.databases import database
 from tests.servers import REDLOCK_PORTS, ZK_PORT, redis_url
@@ -56,7 +57,7 @@ STATIC_URL = "static/"
 
 # Test databases of this run's own, so that two runs on one machine do not collide.
 RUN = os.environ.setdefault("DISTLOCKS_TEST_RUN", str(os.getpid()))
-DATABASES = {
+DATABASES: dict[str, dict[str, Any]] = {
     "default": {
         **database("sqlite", os.environ.get("DISTLOCKS_DB_NAME") or str(BASE_DIR / "tests.sqlite3")),
         "TEST": {"NAME": str(BASE_DIR / f"test_distlocks_{RUN}.sqlite3")},
@@ -71,7 +72,7 @@ DATABASES = {
 for _alias, _name in json.loads(os.environ.get("DISTLOCKS_TEST_DATABASES", "{}")).items():
     DATABASES[_alias]["NAME"] = _name
 
-CACHES = {
+CACHES: dict[str, dict[str, Any]] = {
     "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
     "redis": {
         "BACKEND": "django_redis.cache.RedisCache",
@@ -95,7 +96,7 @@ CACHES = {
 }
 
 DB_BACKEND = "distlocks.backends.db.DatabaseBackend"
-DISTLOCKS = {
+DISTLOCKS: dict[str, dict[str, Any]] = {
     "default": {"BACKEND": DB_BACKEND},
     "mariadb": {"BACKEND": DB_BACKEND, "OPTIONS": {"DATABASE": "mariadb"}},
     "postgresql": {"BACKEND": DB_BACKEND, "OPTIONS": {"DATABASE": "postgresql"}},
