@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from demo_shop.databases import BASE_DIR, database
+from demo_shop.common_settings import BASE_DIR, database
 
 SECRET_KEY = "distlocks-bench-only"  # the benchmarks serve nothing
 INSTALLED_APPS = ["django.contrib.contenttypes", "django.contrib.auth", "distlocks", "db_mutex"]
@@ -16,13 +16,15 @@ DATABASES = {
 CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
 # The scripts of Redis and ZooKeeper set their own aliases, on the servers they start.
 DB_BACKEND = "distlocks.backends.db.DatabaseBackend"
+NATIVE_BACKENDS = {
+    "mariadb": "distlocks.backends.mysql.MySQLLockBackend",
+    "postgresql": "distlocks.backends.postgresql.AdvisoryLockBackend",
+}
 DISTLOCKS = {
     "default": {"BACKEND": DB_BACKEND},
-    "mariadb": {"BACKEND": DB_BACKEND, "OPTIONS": {"DATABASE": "mariadb"}},
-    "postgresql": {"BACKEND": DB_BACKEND, "OPTIONS": {"DATABASE": "postgresql"}},
-    "mariadb_native": {"BACKEND": "distlocks.backends.mysql.MySQLLockBackend", "OPTIONS": {"DATABASE": "mariadb"}},
-    "postgresql_native": {
-        "BACKEND": "distlocks.backends.postgresql.AdvisoryLockBackend",
-        "OPTIONS": {"DATABASE": "postgresql"},
+    **{database: {"BACKEND": DB_BACKEND, "OPTIONS": {"DATABASE": database}} for database in NATIVE_BACKENDS},
+    **{
+        f"{database}_native": {"BACKEND": path, "OPTIONS": {"DATABASE": database}}
+        for database, path in NATIVE_BACKENDS.items()
     },
 }

@@ -15,7 +15,11 @@ from typing import Any
 
 from django.core.management.utils import get_random_secret_key
 
-from demo_shop.databases import database
+# The apps, middleware and templates the tests' settings share.
+from demo_shop.common_settings import INSTALLED_APPS as INSTALLED_APPS
+from demo_shop.common_settings import MIDDLEWARE as MIDDLEWARE
+from demo_shop.common_settings import TEMPLATES as TEMPLATES
+from demo_shop.common_settings import database
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -34,41 +38,8 @@ SECRET_KEY = _secret_key()
 DEBUG = os.environ.get("DJANGO_DEBUG", "") == "1"
 ALLOWED_HOSTS = ["127.0.0.1", "localhost", "[::1]"]
 
-INSTALLED_APPS = [
-    "django.contrib.admin",
-    "django.contrib.auth",
-    "django.contrib.contenttypes",
-    "django.contrib.sessions",
-    "django.contrib.messages",
-    "django.contrib.staticfiles",
-    "distlocks",
-    "demo_shop.shop",
-]
-
-MIDDLEWARE = [
-    "django.middleware.security.SecurityMiddleware",
-    "django.contrib.sessions.middleware.SessionMiddleware",
-    "django.middleware.common.CommonMiddleware",
-    "django.middleware.csrf.CsrfViewMiddleware",
-    "django.contrib.auth.middleware.AuthenticationMiddleware",
-    "django.contrib.messages.middleware.MessageMiddleware",
-]
-
 ROOT_URLCONF = "demo_shop.urls"
 WSGI_APPLICATION = "demo_shop.wsgi.application"
-TEMPLATES = [
-    {
-        "BACKEND": "django.template.backends.django.DjangoTemplates",
-        "APP_DIRS": True,
-        "OPTIONS": {
-            "context_processors": [
-                "django.template.context_processors.request",
-                "django.contrib.auth.context_processors.auth",
-                "django.contrib.messages.context_processors.messages",
-            ]
-        },
-    }
-]
 
 DATABASES = {"default": database(os.environ.get("DISTLOCKS_DB", "sqlite"), os.environ.get("DISTLOCKS_DB_NAME"))}
 # DEMO_ATOMIC_REQUESTS=1: every view in a transaction; the lock:<alias> views still commit before releasing.

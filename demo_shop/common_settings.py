@@ -1,4 +1,7 @@
-"""The demo's DATABASES entries per vendor, shared by its settings, the tests' and the benchmarks'."""
+"""What the demo's, the tests' and the benchmarks' settings share, none of it read from the environment but hosts.
+
+The apps, middleware and templates of the demo shop, and a DATABASES entry per vendor.
+"""
 
 from __future__ import annotations
 
@@ -43,3 +46,38 @@ def database(vendor: str, name: str | None = None) -> dict[str, Any]:
             "PASSWORD": os.environ.get("PGPASSWORD", ""),
         }
     raise ValueError(f"DISTLOCKS_DB must be sqlite, mariadb or postgresql, not {vendor!r}")
+
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "distlocks",
+    "demo_shop.shop",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
