@@ -11,7 +11,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+# What the demo's settings also have (the "as" keeps them: they are settings, not used here).
 from demo_shop.common_settings import INSTALLED_APPS, database
+from demo_shop.common_settings import MIDDLEWARE as MIDDLEWARE
+from demo_shop.common_settings import TEMPLATES as TEMPLATES
 from tests.servers import REDLOCK_PORTS, ZK_PORT, redis_url
 
 BASE_DIR = Path(__file__).resolve().parent.parent
