@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -103,3 +106,53 @@ def bump(counter: Path) -> None:
     scratch = counter.with_name(f"{counter.name}.{os.getpid()}")
     scratch.write_text(str(int(counter.read_text()) + 1))
     os.replace(scratch, counter)
+
+
+def contend_blocking(
+    acquire: Callable[[], object],
+    release: Callable[[], object],
+    counter: Path,
+    processes: int,
+    seconds: float,
+    note: Callable[[str], object] | None = None,
+) -> tuple[list[float], int]:
+    """``contend`` with a lock whose ``acquire()`` blocks until it holds: one untimed cycle first, then the timed ones.
+
+    ``note("ask")`` and ``note("got")`` are called around each acquire, for a script that logs the order of grants.
+    """
+    acquire()
+    release()
+
+    def cycle() -> float:
+        started = time.monotonic()
+        if note:
+            note("ask")
+        acquire()
+        if note:
+            note("got")
+        waited = time.monotonic() - started
+        bump(counter)
+        release()
+        return waited
+
+    return contend(counter, processes, seconds, cycle)
+
+
+def run_contenders(
+    command: list[str], counter: Path, processes: int, seconds: float
+) -> tuple[list[dict], dict[str, float]]:
+    """Start ``processes`` copies of ``command`` (each prints a JSON report with its ``waits`` and ``bumps``).
+
+    Return their reports and the figures of the run: grants per second, the
+    median, 99th percentile and worst wait, and the updates lost on ``counter``.
+    """
+    running = [subprocess.Popen(command, stdout=subprocess.PIPE, text=True) for _ in range(processes)]
+    reports = [json.loads(p.communicate()[0].splitlines()[-1]) for p in running]
+    waits = sorted(w for r in reports for w in r["waits"])
+    return reports, {
+        "per_second": len(waits) / seconds,
+        "median_wait_ms": statistics.median(waits) * 1000,
+        "p99_wait_ms": waits[int(len(waits) * 0.99)] * 1000,
+        "worst_wait_ms": waits[-1] * 1000,
+        "lost_updates": sum(r["bumps"] for r in reports) - int(counter.read_text()),
+    }

@@ -47,7 +47,7 @@ from bench.common import arguments, bump, contend, time_cycles  # noqa: E402
 
 DATABASES = ["default", "mariadb", "postgresql"]
 IMPLS = ["floor", "django-db-mutex", "distlocks", "native"]
-# The native backends' aliases (tests/settings.py), on the databases that have them.
+# The native backends' aliases (bench/settings.py), on the databases that have them.
 NATIVE = {"mariadb": "mariadb_native", "postgresql": "postgresql_native"}
 PROCESSES = 4
 
@@ -178,11 +178,18 @@ def contended(impl: str, alias: str, seconds: float, tmp: Path) -> dict[str, flo
 
 
 def prepare() -> None:
+    """Create the benchmark's databases afresh: one left by other code may hold another migration history."""
     for alias in DATABASES:
         connection = connections[alias]
-        if connection.vendor != "sqlite":
+        if connection.vendor == "sqlite":
+            connection.close()
+            for suffix in ("", "-wal", "-shm"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(f"{connection.settings_dict['NAME']}{suffix}")
+        else:
             name = connection.ops.quote_name(connection.settings_dict["NAME"])
-            with connection._nodb_cursor() as cursor, contextlib.suppress(DatabaseError):  # it exists already
+            with connection._nodb_cursor() as cursor:
+                cursor.execute(f"DROP DATABASE IF EXISTS {name}")
                 cursor.execute(f"CREATE DATABASE {name}")
         call_command("migrate", database=alias, verbosity=0)
 

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import arguments, time_cycles  # noqa: E402
 
-os.environ["DJANGO_SETTINGS_MODULE"] = "tests.settings"
+os.environ["DJANGO_SETTINGS_MODULE"] = "bench.settings"
 
 # kind -> how many names a multi-lock takes (0: not a multi-lock)
 KINDS = {

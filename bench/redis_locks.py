@@ -25,7 +25,6 @@ import json
 import os
 import secrets
 import statistics
-import subprocess
 import sys
 import time
 import uuid
@@ -37,9 +36,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
-from bench.common import arguments, bump, contend, time_cycles  # noqa: E402
+from bench.common import arguments, contend_blocking, run_contenders, time_cycles  # noqa: E402
 
-os.environ["DJANGO_SETTINGS_MODULE"] = "tests.settings"
+os.environ["DJANGO_SETTINGS_MODULE"] = "bench.settings"
 
 IMPLS = [
     "floor",
@@ -118,20 +117,7 @@ def uncontended(impl: str, cycles: int) -> list[float]:
 
 def worker(impl: str, name: str, seconds: float, counter: str) -> None:
     """One of the contending processes: print its cycles and waits as JSON."""
-    acquire, release = cycle_of(impl, name)
-    path = Path(counter)
-    acquire()
-    release()
-
-    def cycle() -> float:
-        started = time.monotonic()
-        acquire()
-        waited = time.monotonic() - started
-        bump(path)
-        release()
-        return waited
-
-    waits, bumps = contend(path, PROCESSES, seconds, cycle)
+    waits, bumps = contend_blocking(*cycle_of(impl, name), Path(counter), PROCESSES, seconds)
     print(json.dumps({"waits": waits, "bumps": bumps}))
 
 
@@ -140,16 +126,7 @@ def contended(impl: str, url: str, seconds: float, tmp: Path) -> dict[str, float
     counter.write_text("0")
     name = f"bench-{uuid.uuid4().hex}"
     command = [sys.executable, __file__, "--url", url, "--worker", impl, name, str(seconds), str(counter)]
-    processes = [subprocess.Popen(command, stdout=subprocess.PIPE, text=True) for _ in range(PROCESSES)]
-    reports = [json.loads(p.communicate()[0].splitlines()[-1]) for p in processes]
-    waits = [w for r in reports for w in r["waits"]]
-    return {
-        "per_second": len(waits) / seconds,
-        "median_wait_ms": statistics.median(waits) * 1000,
-        "p99_wait_ms": sorted(waits)[int(len(waits) * 0.99)] * 1000,
-        "worst_wait_ms": max(waits) * 1000,
-        "lost_updates": sum(r["bumps"] for r in reports) - int(counter.read_text()),
-    }
+    return run_contenders(command, counter, PROCESSES, seconds)[1]
 
 
 def main() -> None:

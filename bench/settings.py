@@ -1,11 +1,30 @@
-"""Settings of the benchmarks: the test settings on databases of their own, plus django-db-mutex."""
+"""Settings of the benchmarks: distlocks and django-db-mutex on databases of their own."""
 
 from __future__ import annotations
 
-from tests.settings import *  # noqa: F403
-from tests.settings import BASE_DIR, DATABASES, INSTALLED_APPS
+from demo_shop.common_settings import BASE_DIR, database
 
-DATABASES["default"]["NAME"] = str(BASE_DIR / "bench.sqlite3")
-DATABASES["mariadb"]["NAME"] = "distlocks_bench"
-DATABASES["postgresql"]["NAME"] = "distlocks_bench"
-INSTALLED_APPS = [*INSTALLED_APPS, "db_mutex"]
+SECRET_KEY = "distlocks-bench-only"  # the benchmarks serve nothing
+INSTALLED_APPS = ["django.contrib.contenttypes", "django.contrib.auth", "distlocks", "db_mutex"]
+USE_TZ = True
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+DATABASES = {
+    "default": database("sqlite", str(BASE_DIR / "bench.sqlite3")),
+    "mariadb": database("mariadb", "distlocks_bench"),
+    "postgresql": database("postgresql", "distlocks_bench"),
+}
+CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
+# The scripts of Redis and ZooKeeper set their own aliases, on the servers they start.
+DB_BACKEND = "distlocks.backends.db.DatabaseBackend"
+NATIVE_BACKENDS = {
+    "mariadb": "distlocks.backends.mysql.MySQLLockBackend",
+    "postgresql": "distlocks.backends.postgresql.AdvisoryLockBackend",
+}
+DISTLOCKS = {
+    "default": {"BACKEND": DB_BACKEND},
+    **{database: {"BACKEND": DB_BACKEND, "OPTIONS": {"DATABASE": database}} for database in NATIVE_BACKENDS},
+    **{
+        f"{database}_native": {"BACKEND": path, "OPTIONS": {"DATABASE": database}}
+        for database, path in NATIVE_BACKENDS.items()
+    },
+}

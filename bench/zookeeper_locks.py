@@ -22,10 +22,8 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -35,9 +33,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
-from bench.common import arguments, bump, contend, time_cycles  # noqa: E402
+from bench.common import arguments, contend_blocking, run_contenders, time_cycles  # noqa: E402
 
-os.environ["DJANGO_SETTINGS_MODULE"] = "tests.settings"
+os.environ["DJANGO_SETTINGS_MODULE"] = "bench.settings"
 
 IMPLS = ["floor", "kazoo Lock", "distlocks"]
 PROCESSES = 4
@@ -97,25 +95,13 @@ def uncontended(impl: str, cycles: int) -> list[float]:
 
 def worker(impl: str, name: str, seconds: float, counter: str, log: str) -> None:
     """One contending process: print its waits as JSON; log when it asked and when it got the lock."""
-    acquire, release = cycle_of(impl, name)
-    path = Path(counter)
-    acquire()
-    release()
     with open(log, "a") as events:
 
-        def cycle() -> float:
-            started = time.monotonic()
-            events.write(f"ask {os.getpid()}\n")
+        def note(event: str) -> None:
+            events.write(f"{event} {os.getpid()}\n")
             events.flush()
-            acquire()
-            events.write(f"got {os.getpid()}\n")
-            events.flush()
-            waited = time.monotonic() - started
-            bump(path)
-            release()
-            return waited
 
-        waits, bumps = contend(path, PROCESSES, seconds, cycle)
+        waits, bumps = contend_blocking(*cycle_of(impl, name), Path(counter), PROCESSES, seconds, note)
     print(json.dumps({"waits": waits, "bumps": bumps}))
 
 
@@ -140,16 +126,8 @@ def contended(impl: str, seconds: float, tmp: Path) -> dict[str, float]:
     log = tmp / f"log-{uuid.uuid4().hex}"
     name = f"bench-{uuid.uuid4().hex}"
     command = [sys.executable, __file__, "--worker", impl, name, str(seconds), str(counter), str(log)]
-    processes = [subprocess.Popen(command, stdout=subprocess.PIPE, text=True) for _ in range(PROCESSES)]
-    reports = [json.loads(p.communicate()[0].splitlines()[-1]) for p in processes]
-    waits = [w for r in reports for w in r["waits"]]
-    return {
-        "per_second": len(waits) / seconds,
-        "median_wait_ms": statistics.median(waits) * 1000,
-        "worst_wait_ms": max(waits) * 1000,
-        "lost_updates": sum(r["bumps"] for r in reports) - int(counter.read_text()),
-        "fifo": fifo_share(log),
-    }
+    _, figures = run_contenders(command, counter, PROCESSES, seconds)
+    return {**figures, "fifo": fifo_share(log)}
 
 
 def main() -> None:

@@ -15,6 +15,12 @@ from typing import Any
 
 from django.core.management.utils import get_random_secret_key
 
+# The apps, middleware and templates the tests' settings share.
+from demo_shop.common_settings import INSTALLED_APPS as INSTALLED_APPS
+from demo_shop.common_settings import MIDDLEWARE as MIDDLEWARE
+from demo_shop.common_settings import TEMPLATES as TEMPLATES
+from demo_shop.common_settings import database
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 
 
@@ -28,81 +34,12 @@ def _secret_key() -> str:
     return path.read_text().strip()
 
 
-def database(vendor: str, name: str | None = None) -> dict[str, Any]:
-    """Return the DATABASES entry of the demo on ``vendor``."""
-    if vendor == "sqlite":
-        return {
-            "ENGINE": "django.db.backends.sqlite3",
-            "NAME": name or BASE_DIR / "demo.sqlite3",
-            # WAL lets readers run beside the writer; IMMEDIATE makes atomic()
-            # take the write lock at BEGIN, SQLite's stand-in for FOR UPDATE.
-            "OPTIONS": {
-                "timeout": 60,
-                "transaction_mode": "IMMEDIATE",
-                "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL",
-            },
-        }
-    if vendor == "mariadb":
-        return {
-            "ENGINE": "django.db.backends.mysql",
-            "NAME": name or "distlocks_demo",
-            "HOST": os.environ.get("MYSQL_HOST", "127.0.0.1"),
-            "PORT": os.environ.get("MYSQL_PORT", "3306"),
-            "USER": os.environ.get("MYSQL_USER", "root"),
-            "PASSWORD": os.environ.get("MYSQL_PASSWORD", ""),
-            "OPTIONS": {"charset": "utf8mb4"},
-        }
-    if vendor == "postgresql":
-        return {
-            "ENGINE": "django.db.backends.postgresql",
-            "NAME": name or "distlocks_demo",
-            "HOST": os.environ.get("PGHOST", "127.0.0.1"),
-            "PORT": os.environ.get("PGPORT", "5432"),
-            "USER": os.environ.get("PGUSER", "postgres"),
-            "PASSWORD": os.environ.get("PGPASSWORD", ""),
-        }
-    raise ValueError(f"DISTLOCKS_DB must be sqlite, mariadb or postgresql, not {vendor!r}")
-
-
 SECRET_KEY = _secret_key()
 DEBUG = os.environ.get("DJANGO_DEBUG", "") == "1"
 ALLOWED_HOSTS = ["127.0.0.1", "localhost", "[::1]"]
 
-INSTALLED_APPS = [
-    "django.contrib.admin",
-    "django.contrib.auth",
-    "django.contrib.contenttypes",
-    "django.contrib.sessions",
-    "django.contrib.messages",
-    "django.contrib.staticfiles",
-    "distlocks",
-    "demo_shop.shop",
-]
-
-MIDDLEWARE = [
-    "django.middleware.security.SecurityMiddleware",
-    "django.contrib.sessions.middleware.SessionMiddleware",
-    "django.middleware.common.CommonMiddleware",
-    "django.middleware.csrf.CsrfViewMiddleware",
-    "django.contrib.auth.middleware.AuthenticationMiddleware",
-    "django.contrib.messages.middleware.MessageMiddleware",
-]
-
 ROOT_URLCONF = "demo_shop.urls"
 WSGI_APPLICATION = "demo_shop.wsgi.application"
-TEMPLATES = [
-    {
-        "BACKEND": "django.template.backends.django.DjangoTemplates",
-        "APP_DIRS": True,
-        "OPTIONS": {
-            "context_processors": [
-                "django.template.context_processors.request",
-                "django.contrib.auth.context_processors.auth",
-                "django.contrib.messages.context_processors.messages",
-            ]
-        },
-    }
-]
 
 DATABASES = {"default": database(os.environ.get("DISTLOCKS_DB", "sqlite"), os.environ.get("DISTLOCKS_DB_NAME"))}
 # DEMO_ATOMIC_REQUESTS=1: every view in a transaction; the lock:<alias> views still commit before releasing.
@@ -114,6 +51,14 @@ DEMO_LOCK_TTL = float(os.environ.get("DEMO_LOCK_TTL", "30"))
 DISTLOCKS: dict[str, dict[str, Any]] = {
     "default": {"BACKEND": "distlocks.backends.db.DatabaseBackend", "TTL": DEMO_LOCK_TTL}
 }
+# On MariaDB or PostgreSQL, the "native" lock alias: the server's own lock
+# (GET_LOCK, advisory locks) on the same database.
+NATIVE_LOCKS = {
+    "mariadb": "distlocks.backends.mysql.MySQLLockBackend",
+    "postgresql": "distlocks.backends.postgresql.AdvisoryLockBackend",
+}
+if _native := NATIVE_LOCKS.get(os.environ.get("DISTLOCKS_DB", "sqlite")):
+    DISTLOCKS["native"] = {"BACKEND": _native}
 
 CACHES: dict[str, dict[str, Any]] = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
 

@@ -88,6 +88,29 @@ class NativeLease(models.Model):
         return self.lock_name
 
 
+class LockWaiter(models.Model):
+    """A place in the queue of a lock of ``distlocks.backends.db.DatabaseBackend``.
+
+    A waiter takes a freed lock only if no live waiter with a smaller id is
+    queued for it, so waiters are served roughly in the order they came. The
+    row is a lease too: a waiter that crashed stops holding up the queue once
+    its row expires (``WAITER_LEASE`` seconds, renewed while it waits).
+    """
+
+    id = models.BigAutoField(primary_key=True, verbose_name=_("place in the queue"))
+    lock_name = LockNameField(_("lock name"), max_length=255)
+    expires_at = models.DateTimeField(_("expires at"))
+
+    class Meta:
+        verbose_name = _("lock waiter")
+        verbose_name_plural = _("lock waiters")
+        db_table = "distlocks_lock_waiter"
+        indexes = [models.Index(fields=["lock_name", "id"], name="distlocks_waiter_queue")]
+
+    def __str__(self) -> str:
+        return self.lock_name
+
+
 class ReadWriteHold(models.Model):
     """One hold of a read-write lock through ``DatabaseBackend``: a reader, the writer, or a waiting writer.
 

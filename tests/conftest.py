@@ -31,7 +31,26 @@ LEASE_ALIASES = [alias for alias in ALIASES if alias != "zookeeper"]
 DB = pytest.mark.django_db(transaction=True, databases=DB_ALIASES)
 
 
-@pytest.fixture(scope="session", autouse=True)
+# The servers that the lock aliases of the ``alias`` parametrisation need.
+ALIAS_SERVERS = {"redis": "redis", "redlock": "redis", "zookeeper": "zookeeper"}
+SERVER_FIXTURES = {"redis": "redis_servers", "zookeeper": "zookeeper_server"}
+
+
+@pytest.fixture(autouse=True)
+def _servers(request):
+    """Start (once a session) the servers this test needs: its ``alias``'s, and those its ``servers`` marker names.
+
+    So a test of SQLite alone starts no Redis and no JVM.
+    """
+    needed = {name for marker in request.node.iter_markers("servers") for name in marker.args}
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and callspec.params.get("alias") in ALIAS_SERVERS:
+        needed.add(ALIAS_SERVERS[callspec.params["alias"]])
+    for server in sorted(needed):
+        request.getfixturevalue(SERVER_FIXTURES[server])
+
+
+@pytest.fixture(scope="session")
 def redis_servers():
     """The tests' Redis servers on loopback ports of their own: one, and five Redlock nodes."""
     taken = [port for port in [REDIS_PORT, *REDLOCK_PORTS] if answers(port)]
@@ -43,7 +62,7 @@ def redis_servers():
         server.stop()
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="session")
 def zookeeper_server(tmp_path_factory):
     """The tests' standalone ZooKeeper, on a loopback port of its own."""
     assert not zk_answers(ZK_PORT), (
@@ -157,11 +176,13 @@ def lock_factory(alias, name):
                 lk.release()
 
 
-def queue_waiters(name, alias, labels, *, gap, hold=0.0):
+def queue_waiters(name, alias, labels, *, gap, hold=0.0, queued=None):
     """Start one thread per label that waits for the lock, in this order, ``gap`` seconds apart.
 
-    Return (threads, order): each thread appends its label to ``order`` once it
-    holds the lock, then keeps it ``hold`` seconds.
+    With ``queued`` (a function of how many are started), each is started once
+    ``queued(started)`` is true: the ones before are in the queue. Return
+    (threads, order): each thread appends its label to ``order`` once it holds
+    the lock, then keeps it ``hold`` seconds.
     """
     order = []
 
@@ -176,6 +197,10 @@ def queue_waiters(name, alias, labels, *, gap, hold=0.0):
         thread.start()
         threads.append(thread)
         time.sleep(gap)
+        deadline = time.monotonic() + 30
+        while queued is not None and not queued(len(threads)):
+            assert time.monotonic() < deadline, f"{label} did not queue in time"
+            time.sleep(0.01)
     return threads, order
 
 

@@ -1,17 +1,35 @@
-"""Test settings: the demo's apps on SQLite, MariaDB and PostgreSQL at once."""
+"""Test settings: distlocks and the demo shop's app on SQLite, MariaDB and PostgreSQL at once.
+
+They stand alone (the demo's settings follow its own environment variables):
+every server a test reaches is named here.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
+from typing import Any
 
-from demo_shop.settings import *  # noqa: F403
-from demo_shop.settings import BASE_DIR, INSTALLED_APPS, database
+# What the demo's settings also have (the "as" keeps them: they are settings, not used here).
+from demo_shop.common_settings import INSTALLED_APPS, database
+from demo_shop.common_settings import MIDDLEWARE as MIDDLEWARE
+from demo_shop.common_settings import TEMPLATES as TEMPLATES
 from tests.servers import REDLOCK_PORTS, ZK_PORT, redis_url
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+SECRET_KEY = "distlocks-tests-only"  # the tests serve nothing
+ALLOWED_HOSTS = ["127.0.0.1", "localhost", "testserver"]
+ROOT_URLCONF = "demo_shop.urls"
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+USE_TZ = True
+TIME_ZONE = "UTC"
+STATIC_URL = "static/"
+
 
 # Test databases of this run's own, so that two runs on one machine do not collide.
 RUN = os.environ.setdefault("DISTLOCKS_TEST_RUN", str(os.getpid()))
-DATABASES = {
+DATABASES: dict[str, dict[str, Any]] = {
     "default": {
         **database("sqlite", os.environ.get("DISTLOCKS_DB_NAME") or str(BASE_DIR / "tests.sqlite3")),
         "TEST": {"NAME": str(BASE_DIR / f"test_distlocks_{RUN}.sqlite3")},
@@ -26,7 +44,7 @@ DATABASES = {
 for _alias, _name in json.loads(os.environ.get("DISTLOCKS_TEST_DATABASES", "{}")).items():
     DATABASES[_alias]["NAME"] = _name
 
-CACHES = {
+CACHES: dict[str, dict[str, Any]] = {
     "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
     "redis": {
         "BACKEND": "django_redis.cache.RedisCache",
@@ -50,7 +68,7 @@ CACHES = {
 }
 
 DB_BACKEND = "distlocks.backends.db.DatabaseBackend"
-DISTLOCKS = {
+DISTLOCKS: dict[str, dict[str, Any]] = {
     "default": {"BACKEND": DB_BACKEND},
     "mariadb": {"BACKEND": DB_BACKEND, "OPTIONS": {"DATABASE": "mariadb"}},
     "postgresql": {"BACKEND": DB_BACKEND, "OPTIONS": {"DATABASE": "postgresql"}},

@@ -20,7 +20,7 @@ from distlocks.models import Lock
 from distlocks.owner import current_owner
 from tests.conftest import DB, PROCESS_ALIASES, Holder
 
-pytestmark = DB
+pytestmark = [DB, pytest.mark.servers("redis", "zookeeper")]
 
 HELD_URL = "/admin/distlocks/lock/held/"
 

@@ -11,7 +11,7 @@ import pytest
 from .conftest import DB, ROOT
 from .servers import REDIS_PORT
 
-pytestmark = DB
+pytestmark = [DB, pytest.mark.servers("redis", "zookeeper")]
 
 QUICK = ["--cycles", "20", "--rounds", "1", "--seconds", "0.5"]
 

@@ -38,7 +38,7 @@ CHROMIUM_ARGS = [
 # The screenshot's backends: the database, Redis and ZooKeeper.
 SHOWN = ("default", "redis", "zookeeper")
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.servers("redis", "zookeeper")]
 
 
 def wait_then_release(name, alias):

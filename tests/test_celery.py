@@ -36,7 +36,7 @@ from tests.celery_app import (
 
 from .conftest import DB, ROOT, worker_env
 
-pytestmark = [DB, pytest.mark.timeout(120)]
+pytestmark = [DB, pytest.mark.timeout(120), pytest.mark.servers("redis", "zookeeper")]
 
 
 class CeleryWorker:

@@ -15,7 +15,7 @@ from distlocks.handler import locks
 
 from .conftest import DB as DB_MARK
 
-pytestmark = DB_MARK
+pytestmark = [DB_MARK, pytest.mark.servers("redis", "zookeeper")]
 
 DB = "distlocks.backends.db.DatabaseBackend"
 REDIS = "distlocks.backends.redis.RedisBackend"

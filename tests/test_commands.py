@@ -19,7 +19,7 @@ from distlocks.models import Lock
 from .conftest import DB, DB_ALIASES, ROOT, worker_env
 from .servers import REDLOCK_PORTS, redis_url
 
-pytestmark = DB
+pytestmark = [DB, pytest.mark.servers("redis", "zookeeper")]
 
 
 def cleanup(*args):
@@ -105,21 +105,21 @@ def test_oversell_on_sqlite(tmp_path, settings):
         assert row["requests_per_second"] > 0
 
 
-def oversell_on_mariadb(tmp_path, *arguments, **env):
-    """Run the demo's own settings on MariaDB as a user would, ``manage.py oversell``; return its rows."""
+def oversell_on_mariadb(tmp_path, *arguments, database="mariadb", **env):
+    """Run the demo's own settings on MariaDB (or ``database``) as a user would, ``manage.py oversell``; return its rows."""
     path = tmp_path / "out.json"
     env = {
         **worker_env(),
         "DJANGO_SETTINGS_MODULE": "demo_shop.settings",
-        "DISTLOCKS_DB": "mariadb",
-        "DISTLOCKS_DB_NAME": connections["mariadb"].settings_dict["NAME"],
+        "DISTLOCKS_DB": database,
+        "DISTLOCKS_DB_NAME": connections[database].settings_dict["NAME"],
         "DEMO_WORK_MS": "10",
         **env,
     }
     command = [sys.executable, "manage.py", "oversell", "--stock", "20", "--buyers", "40", "--json", str(path)]
     completed = subprocess.run([*command, *arguments], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stderr
-    assert "Oversell race on MariaDB" in completed.stdout
+    assert f"Oversell race on {connections[database].display_name}" in completed.stdout
     return {row["strategy"]: row for row in json.loads(path.read_text())}
 
 
@@ -132,14 +132,23 @@ def test_oversell_on_mariadb_from_the_shell(tmp_path):
         "select_for_update",
         "optimistic",
         "lock:default",
+        "lock:native",
         "fenced:default",
         "pitfall:default",
     ]
     for unsafe in ("none", "local", "pitfall:default"):
         assert results[unsafe]["oversold"] > 0 or results[unsafe]["lost_updates"] > 0, results[unsafe]
-    for safe in ("atomic_sql", "select_for_update", "optimistic", "lock:default", "fenced:default"):
+    for safe in ("atomic_sql", "select_for_update", "optimistic", "lock:default", "lock:native", "fenced:default"):
         row = results[safe]
         assert (row["orders"], row["final_stock"], row["oversold"], row["lost_updates"]) == (20, 0, 0, 0), row
+
+
+def test_oversell_with_postgresql_advisory_locks(tmp_path):
+    results = oversell_on_mariadb(tmp_path, "--strategies", "none,lock:native,pitfall:native", database="postgresql")
+    for unsafe in ("none", "pitfall:native"):
+        assert results[unsafe]["oversold"] > 0 or results[unsafe]["lost_updates"] > 0, results[unsafe]
+    row = results["lock:native"]
+    assert (row["orders"], row["final_stock"], row["oversold"], row["lost_updates"]) == (20, 0, 0, 0), row
 
 
 def test_buyers_paused_past_their_lease_oversell_unless_the_row_is_fenced(tmp_path):

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 from django.db import transaction
+from django.utils import timezone
 
 import distlocks
 from distlocks.handler import locks
 from distlocks.models import Lock
 
-from .conftest import DB
+from .conftest import DB, DB_ALIASES, queue_waiters
 from .test_lock import in_thread
 
 pytestmark = DB
@@ -61,3 +64,47 @@ def test_bad_timeout_option_is_improperly_configured(settings, timeout):
     settings.DISTLOCKS = {"db": {"BACKEND": "distlocks.backends.db.DatabaseBackend", "OPTIONS": {"TIMEOUT": timeout}}}
     with pytest.raises(ImproperlyConfigured, match=r"DISTLOCKS\['db'\]: OPTIONS\['TIMEOUT'\] must be"):
         distlocks.lock("x", using="db")
+
+
+def places_queued(alias, name):
+    """How many places the queue of ``name`` on ``alias`` has, live or not."""
+    from distlocks.models import LockWaiter
+
+    return LockWaiter.objects.using(locks[alias].database).filter(lock_name=locks[alias].make_key(name)).count()
+
+
+@pytest.mark.parametrize("alias", DB_ALIASES, indirect=True)
+def test_waiters_get_the_lock_first_come_first_served(alias, name):
+    holder = distlocks.lock(name, using=alias)
+    holder.acquire()
+    threads, order = queue_waiters(
+        name, alias, "ABCD", gap=0, hold=0.01, queued=lambda started: places_queued(alias, name) == started
+    )
+    holder.release()
+    # The releaser asks again at once, but the waiters are ahead of it: it waits its turn.
+    assert holder.acquire(wait=20)
+    assert order == ["A", "B", "C", "D"]
+    holder.release()
+    for thread in threads:
+        thread.join(10)
+    assert places_queued(alias, name) == 0
+
+
+@pytest.mark.parametrize("alias", DB_ALIASES, indirect=True)
+def test_a_waiter_that_gives_up_leaves_the_queue(alias, name, lock_factory):
+    lock_factory().acquire()
+    assert in_thread(lambda: lock_factory().acquire(wait=0.3)) is False
+    assert places_queued(alias, name) == 0
+
+
+@pytest.mark.parametrize("alias", DB_ALIASES, indirect=True)
+def test_cleanup_deletes_the_places_of_waiters_that_crashed(alias, name):
+    from distlocks.models import LockWaiter
+
+    database = locks[alias].database
+    past = timezone.now() - timedelta(seconds=5)
+    LockWaiter.objects.using(database).create(lock_name=locks[alias].make_key(name), expires_at=past)
+    # An expired place holds up nobody, and the cleanup deletes it.
+    assert in_thread(lambda: distlocks.lock(name, using=alias).acquire(wait=0)) is True
+    locks[alias].clear_expired()
+    assert places_queued(alias, name) == 0

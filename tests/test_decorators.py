@@ -17,7 +17,7 @@ from distlocks.signals import lock_released
 
 from .conftest import DB
 
-pytestmark = DB
+pytestmark = [DB, pytest.mark.servers("redis")]
 
 
 def other_thread_acquires(name):

@@ -16,7 +16,7 @@ from distlocks.fencing import fenced_update
 
 from .conftest import ALIASES, DB, DB_ALIASES
 
-pytestmark = DB
+pytestmark = [DB, pytest.mark.servers("redis", "zookeeper")]
 
 
 @pytest.fixture(params=DB_ALIASES)

@@ -15,7 +15,7 @@ from distlocks.handler import locks
 
 from .conftest import DB, PROCESS_ALIASES, ROOT, worker_env
 
-pytestmark = DB
+pytestmark = [DB, pytest.mark.servers("redis", "zookeeper")]
 
 
 def run(command, *args):

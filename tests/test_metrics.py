@@ -18,7 +18,7 @@ from tests.faults.conftest import frozen
 from tests.servers import REDIS_PORT, RedisServer
 from tests.test_lock import in_thread
 
-pytestmark = DB
+pytestmark = [DB, pytest.mark.servers("redis")]
 
 RECEIVERS = {
     lock_acquired: "distlocks.metrics.acquired",
@@ -352,7 +352,7 @@ def test_the_held_locks_page_charts_recent_waits_and_losses(admin_client, settin
     assert "1 timed out" in row
     assert "<strong>1 lost</strong>" in row
     longest = float(row.split("longest wait ")[-1].split(" s")[0])
-    assert 0 < longest <= waited
+    assert 0 < longest <= waited + 0.0005  # the page rounds to the millisecond
     assert (
         'class="recent-charted"' not in admin_client.get("/admin/distlocks/lock/held/?alias=default").content.decode()
     )

@@ -19,7 +19,7 @@ from distlocks.owner import acting_as, current_owner, task_owner
 from .conftest import DB, queue_waiters
 from .servers import REDIS_PORT, RedisServer, answers
 
-pytestmark = DB
+pytestmark = [DB, pytest.mark.servers("redis")]
 
 
 def test_a_waiter_wakes_within_milliseconds_of_the_release(name):

@@ -13,7 +13,7 @@ from distlocks.checks import check_distlocks
 
 from .conftest import DB
 
-pytestmark = DB
+pytestmark = [DB, pytest.mark.servers("redis")]
 
 
 @pytest.fixture

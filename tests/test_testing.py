@@ -19,6 +19,8 @@ from distlocks.signals import lock_lost
 from distlocks.testing import expire_lock, override_distlocks
 from tests.conftest import Holder
 
+pytestmark = pytest.mark.servers("redis", "zookeeper")
+
 pytest_plugins = ["pytester"]
 
 LOCMEM = "distlocks.backends.locmem.LocMemBackend"

@@ -17,7 +17,7 @@ import distlocks
 from distlocks.signals import lock_acquire_failed, lock_acquired, lock_lost, lock_released
 from tests.conftest import DB, Holder
 
-pytestmark = DB
+pytestmark = [DB, pytest.mark.servers("redis")]
 
 EXPORTER = InMemorySpanExporter()
 

@@ -17,7 +17,7 @@ from distlocks.inspection import force_release
 
 from .conftest import DB
 
-pytestmark = DB
+pytestmark = [DB, pytest.mark.servers("redis", "zookeeper")]
 
 # (lock alias, database of the transaction). Not the database backend on SQLite
 # inside an SQLite transaction: there the lock joins the transaction (see the README).

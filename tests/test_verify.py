@@ -18,6 +18,8 @@ from distlocks.verify.history import History, Section, Write, check, clobbers, o
 
 from .conftest import DB, LEASE_ALIASES, PROCESS_ALIASES, ROOT, worker_env
 
+pytestmark = pytest.mark.servers("redis", "zookeeper")
+
 # --- the checks, on histories made by hand ---------------------------------
 
 

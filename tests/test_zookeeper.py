@@ -16,7 +16,7 @@ from distlocks.signals import lock_lost
 
 from .conftest import DB, queue_waiters
 
-pytestmark = DB
+pytestmark = [DB, pytest.mark.servers("zookeeper")]
 
 
 def expire_session(alias="zookeeper"):

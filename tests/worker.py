@@ -19,6 +19,7 @@ import django  # noqa: E402
 django.setup()
 
 import distlocks  # noqa: E402
+from distlocks.lock import LockAPI  # noqa: E402
 
 
 def say(*words: object) -> None:
@@ -105,46 +106,42 @@ def guarded(alias: str, name: str, seconds: str, log: str) -> None:
 
 
 def multi(alias: str, names: str, seconds: str, log: str) -> None:
-    """Take the comma-separated ``names`` together (in the order given) in a loop for ``seconds``, logging each.
+    """Take the comma-separated ``names`` together (in the order given) in a loop (see ``_take_in_a_loop``).
 
-    Reports how many sets were taken and how many acquires timed out (a
-    deadlock between two such processes would show as timeouts).
+    The last name in sorted order is in every set the test races: its tokens are logged, and must grow.
     """
     lock = distlocks.multi_lock(names.split(","), using=alias, ttl=5, wait=10)
-    deadline = time.monotonic() + float(seconds)
+    _take_in_a_loop(lock, float(seconds), log, pause=0.002, token=lambda: lock.token[-1])
+
+
+def permits(alias: str, name: str, permits: str, seconds: str, log: str) -> None:
+    """Take a permit of the semaphore in a loop (see ``_take_in_a_loop``)."""
+    semaphore = distlocks.semaphore(name, int(permits), using=alias, ttl=5, wait=5)
+    _take_in_a_loop(semaphore, float(seconds), log, pause=0.005)
+
+
+def _take_in_a_loop(
+    lock: LockAPI, seconds: float, log: str, pause: float, token: Callable[[], object] | None = None
+) -> None:
+    """Acquire, stay ``pause`` seconds, release, for ``seconds``; log each entry (with ``token()``) and exit.
+
+    Reports how many times it was taken and how many acquires timed out (a
+    deadlock between two such processes would show as timeouts).
+    """
+    deadline = time.monotonic() + seconds
     taken = timeouts = 0
     with open(log, "a") as events:
         while time.monotonic() < deadline:
             if not lock.acquire():
                 timeouts += 1
                 continue
-            # The last name in sorted order is in every set the test races: its tokens must grow.
-            events.write(f"enter {os.getpid()} {time.monotonic():.6f} {lock.token[-1]}\n")
+            more = "" if token is None else f" {token()}"
+            events.write(f"enter {os.getpid()} {time.monotonic():.6f}{more}\n")
             events.flush()
-            time.sleep(0.002)
+            time.sleep(pause)
             events.write(f"exit {os.getpid()} {time.monotonic():.6f}\n")
             events.flush()
             lock.release()
-            taken += 1
-    say("done", taken, timeouts)
-
-
-def permits(alias: str, name: str, permits: str, seconds: str, log: str) -> None:
-    """Take a permit of the semaphore in a loop for ``seconds``, logging each entry and exit with the time."""
-    semaphore = distlocks.semaphore(name, int(permits), using=alias, ttl=5, wait=5)
-    deadline = time.monotonic() + float(seconds)
-    taken = timeouts = 0
-    with open(log, "a") as events:
-        while time.monotonic() < deadline:
-            if not semaphore.acquire():
-                timeouts += 1
-                continue
-            events.write(f"enter {os.getpid()} {time.monotonic():.6f}\n")
-            events.flush()
-            time.sleep(0.005)
-            events.write(f"exit {os.getpid()} {time.monotonic():.6f}\n")
-            events.flush()
-            semaphore.release()
             taken += 1
     say("done", taken, timeouts)
 

@@ -101,13 +101,43 @@ def backoff(attempt: int, remaining: float | None) -> float:
 class BaseLockBackend:
     """Primitives a lock server offers; ``DistributedLock`` builds the lock on them.
 
-    Every method takes the backend-level ``key`` (the name with ``KEY_PREFIX``) and
-    is one attempt: looping, deadlines and reentrancy bookkeeping live in the core.
+    The interface, in one place (Django's ``BaseCache`` is the model). Every
+    method takes the backend-level ``key`` (``make_key(name)``: the name with
+    ``KEY_PREFIX``) and is one attempt: looping, deadlines, the calling thread's
+    holds and its hold count live in the core (``lock.py``, ``holds.py``).
+
+    Every backend provides:
+
+    - ``try_acquire``, ``reenter``, ``release``, ``extend``: the lock itself.
+      ``try_acquire`` takes a free lock only (the same owner again gets None:
+      re-entry is the core's ``reenter``). The server keeps a copy of the hold
+      count (``reenter`` adds one, ``release`` drops one, the lock is freed at
+      zero) that the admin shows as ``LockInfo.hold_count``.
+
+    Every backend may override (a default that works is given):
+
+    - ``wait``: block until the lock may be free (default: sleep with backoff);
+      ``begin_wait``/``end_wait`` bracket the attempts of one acquire that may wait.
+    - ``holder``: the one lock of a key (default: looks through ``held()``).
+    - ``ping``, ``check``, ``address``: reaching the server, system checks.
+
+    A backend may offer, else NotImplementedError (callers degrade: the
+    admin and the commands say the backend cannot):
+
+    - ``held``, ``force_release``: the admin and ``distlocks_list``/``_release``.
+    - ``clear_expired``: ``distlocks_cleanup``. One meaning everywhere: delete
+      what locks no longer held left on the server (expired rows, unused
+      fencing counters, empty nodes); ``cleanup_noun`` names those leftovers
+      in the command's report, since they differ from server to server.
+
+    Session-bound backends (``session_bound``: a hold lives with the holding
+    process's session, not as a lease) also provide ``drop``, and may provide
+    ``record`` (the semaphore's permits marker there).
     """
 
     #: The longest key this backend stores, or None for no limit.
     max_key_length: int | None = None
-    #: What ``clear_expired()`` deletes, for the cleanup command's report.
+    #: What ``clear_expired()`` deletes on this server, for the cleanup command's report.
     cleanup_noun = "expired locks"
     #: True if a hold lives as long as the holding process's session, not as a
     #: lease: another process can then never take it over (``detach``/``resume``).
@@ -279,7 +309,7 @@ class BaseLockBackend:
         raise NotImplementedError("subclasses of BaseLockBackend may provide a force_release() method")
 
     def clear_expired(self, dry_run: bool = False) -> int:
-        """Delete the state of expired locks; return how many (or would be, with ``dry_run``)."""
+        """Delete what locks no longer held left on the server; return how many (or would be, with ``dry_run``)."""
         raise NotImplementedError("subclasses of BaseLockBackend may provide a clear_expired() method")
 
     @property

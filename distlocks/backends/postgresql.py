@@ -163,17 +163,25 @@ class AdvisoryLockBackend(NativeLockBackend):
         return int(cursor.fetchone()[0])
 
     def sql_warnings(self, cursor: Any) -> list[checks.CheckMessage]:
-        """Tell a transaction-pooling PgBouncer (the session changes between statements) and old servers."""
+        """Tell a transaction-pooling PgBouncer and old servers.
+
+        Behind such a pooler, successive statements of one client connection
+        may run in different server sessions, and two client connections open at
+        once run theirs in the same one (the pooler hands the server connection
+        one client let go of to the next); directly, or in session pooling,
+        neither happens.
+        """
         sessions = set()
         for _ in range(3):
             cursor.execute("SELECT pg_backend_pid(), inet_server_port(), current_setting('server_version_num')::int")
             pid, port, version = cursor.fetchone()
             sessions.add(pid)
         found: list[checks.CheckMessage] = []
-        if len(sessions) > 1:
+        if len(sessions) > 1 or sessions & self._sessions_of_another_connection():
             found.append(
                 checks.Error(
-                    f"DISTLOCKS[{self.alias!r}]: successive statements ran in different server sessions: "
+                    f"DISTLOCKS[{self.alias!r}]: two client connections shared a server session, or one "
+                    "connection's statements ran in several: "
                     "a pooler (PgBouncer in transaction or statement pooling mode) is in between, "
                     "and advisory locks would stay with server sessions that other clients use.",
                     hint="Point OPTIONS['DATABASE'] at a direct connection (or PgBouncer in session mode), "
@@ -199,3 +207,19 @@ class AdvisoryLockBackend(NativeLockBackend):
                 )
             )
         return found
+
+    def _sessions_of_another_connection(self) -> set[int]:
+        """The server sessions that a second client connection, open meanwhile, runs three statements in."""
+        other = self._connection()
+        try:
+
+            def sessions(cursor: Any) -> set[int]:
+                found = set()
+                for _ in range(3):
+                    cursor.execute("SELECT pg_backend_pid()")
+                    found.add(cursor.fetchone()[0])
+                return found
+
+            return self._run(other, sessions)
+        finally:
+            self._put(other)

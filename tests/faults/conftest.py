@@ -2,13 +2,22 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
+import subprocess
+import tempfile
 import threading
+import time
+from pathlib import Path
 
 import pytest
+from django.conf import settings
+from django.db import connections
+from django.test import override_settings
 
 import distlocks
+from distlocks.backends.db import close_connections
 from tests.servers import RedisServer, answers
 
 
@@ -133,3 +142,124 @@ def free_elsewhere(name, alias, **lock_options):
     thread.start()
     thread.join(30)
     return result[0]
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_for(process, what, ready, seconds=60):
+    deadline = time.monotonic() + seconds
+    while not ready():
+        assert process.poll() is None, f"{what} exited with {process.returncode}"
+        assert time.monotonic() < deadline, f"{what} did not start within {seconds}s"
+        time.sleep(0.1)
+
+
+def _accepts(port):
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+        return True
+    return False
+
+
+@pytest.fixture
+def pgbouncer():
+    """A PgBouncer of the test's own in transaction pooling mode, in front of the tests' PostgreSQL; its port.
+
+    Every database of that server, the tests' user trusted (PgBouncer runs as
+    ``nobody`` when the tests run as root: it refuses to run as root).
+    """
+    from django.db import connections
+
+    database = connections["postgresql"].settings_dict
+    directory = Path(tempfile.mkdtemp(prefix="distlocks-pgbouncer-"))
+    port = _free_port()
+    (directory / "users.txt").write_text(f'"{database["USER"]}" "{database["PASSWORD"] or ""}"\n')
+    (directory / "pgbouncer.ini").write_text(
+        "[databases]\n"
+        f"* = host={database['HOST'] or '127.0.0.1'} port={database['PORT'] or 5432}\n"
+        "[pgbouncer]\n"
+        f"listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n"
+        f"auth_type = trust\nauth_file = {directory / 'users.txt'}\npool_mode = transaction\n"
+        "ignore_startup_parameters = extra_float_digits,options\n"
+    )
+    for path in (directory, *directory.iterdir()):
+        path.chmod(0o755)
+    command = [shutil.which("pgbouncer") or "/usr/sbin/pgbouncer", str(directory / "pgbouncer.ini")]
+    if os.getuid() == 0:
+        command[1:1] = ["-u", "nobody"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for(process, "pgbouncer", lambda: _accepts(port))
+        yield port
+    finally:
+        process.terminate()
+        process.wait(10)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _mariadb_answers(socket_path):
+    ping = ["mysqladmin", "--no-defaults", f"--socket={socket_path}", "-uroot", "--connect-timeout=1", "ping"]
+    return subprocess.run(ping, capture_output=True, timeout=30).returncode == 0
+
+
+@pytest.fixture
+def galera(tmp_path):
+    """A one-node Galera cluster (MariaDB with the wsrep provider, bootstrapped) of the test's own; its socket."""
+    data, socket_path = tmp_path / "data", tmp_path / "mariadb.sock"
+    user = ["--user=root"] if os.getuid() == 0 else []
+    subprocess.run(
+        ["mariadb-install-db", "--no-defaults", *user, f"--datadir={data}", "--auth-root-authentication-method=normal"],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    command = [
+        "/usr/sbin/mariadbd",
+        "--no-defaults",
+        *user,
+        f"--datadir={data}",
+        "--skip-networking",
+        f"--socket={socket_path}",
+        f"--pid-file={tmp_path / 'mariadb.pid'}",
+        f"--log-error={tmp_path / 'error.log'}",
+        "--wsrep-on=ON",
+        "--wsrep-provider=/usr/lib/galera/libgalera_smm.so",
+        "--wsrep-cluster-address=gcomm://",
+        f"--wsrep-provider-options=gmcast.listen_addr=tcp://127.0.0.1:{_free_port()}",
+        "--wsrep-node-address=127.0.0.1",
+        "--binlog-format=ROW",
+        "--innodb-autoinc-lock-mode=2",
+    ]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for(process, "mariadbd (Galera)", lambda: _mariadb_answers(socket_path))
+        yield str(socket_path)
+    finally:
+        process.terminate()
+        process.wait(60)
+
+
+@contextlib.contextmanager
+def behind_proxy(alias):
+    """Yield a FreezableProxy to the database of lock ``alias``, and lock alias "proxied" (TIMEOUT 1 s) through it.
+
+    On the way out the Django connection "proxied" is forgotten too: a later
+    use of the name must not reach this proxy's closed port.
+    """
+    database = settings.DISTLOCKS[alias].get("OPTIONS", {}).get("DATABASE", "default")
+    database_settings = dict(connections[database].settings_dict)
+    proxy = FreezableProxy(int(database_settings["PORT"]))
+    connections.settings["proxied"] = {**database_settings, "HOST": "127.0.0.1", "PORT": str(proxy.port)}
+    proxied = {"BACKEND": settings.DISTLOCKS[alias]["BACKEND"], "OPTIONS": {"DATABASE": "proxied", "TIMEOUT": 1}}
+    try:
+        with override_settings(DISTLOCKS={**settings.DISTLOCKS, "proxied": proxied}):
+            yield proxy
+    finally:
+        close_connections()  # while the proxy still passes the goodbye on
+        proxy.close()
+        del connections.settings["proxied"]
+        with contextlib.suppress(AttributeError):
+            del connections["proxied"]

@@ -15,11 +15,11 @@ from django.db import connections
 from django.test import override_settings
 
 import distlocks
-from distlocks.backends.db import close_connections
 from distlocks.handler import locks
 from distlocks.owner import current_owner
 from tests.conftest import DB, DB_ALIASES, NATIVE_ALIASES, Holder
-from tests.faults.conftest import FreezableProxy
+from tests.faults.conftest import behind_proxy
+from tests.faults.test_core import until
 from tests.test_lock import in_thread
 
 pytestmark = DB
@@ -236,24 +236,6 @@ def test_acquire_and_extend_end_within_timeout_when_lock_table_is_locked(alias, 
         other.release()
 
 
-@contextlib.contextmanager
-def behind_proxy(alias):
-    """Yield a FreezableProxy to ``alias``'s server, and lock alias "proxied" (TIMEOUT 1 s) that goes through it."""
-    database = dict(connections[alias].settings_dict)
-    proxy = FreezableProxy(int(database["PORT"]))
-    connections.settings["proxied"] = {**database, "HOST": "127.0.0.1", "PORT": str(proxy.port)}
-    proxied = {"BACKEND": settings.DISTLOCKS[alias]["BACKEND"], "OPTIONS": {"DATABASE": "proxied", "TIMEOUT": 1}}
-    try:
-        with override_settings(DISTLOCKS={**settings.DISTLOCKS, "proxied": proxied}):
-            yield proxy
-    finally:
-        close_connections()  # while the proxy still passes the goodbye on
-        proxy.close()
-        del connections.settings["proxied"]
-        with contextlib.suppress(AttributeError):
-            del connections["proxied"]
-
-
 @servers
 def test_extend_raises_within_timeout_when_server_hangs(alias, name):
     with behind_proxy(alias) as proxy:
@@ -309,3 +291,25 @@ def test_new_holder_keeps_the_lock_when_force_release_has_a_stale_token(alias, n
     assert in_thread(lambda: take(name, alias)) is False
     assert backend.force_release(first.key, token=holder.token) is True
     assert isinstance(holder.release(), distlocks.LockLost)
+
+
+@pytest.mark.parametrize("alias", DB_ALIASES, indirect=True)
+def test_a_killed_waiter_does_not_hold_up_the_queue(alias, name, workers):
+    from distlocks.backends.db.backend import WAITER_LEASE
+    from distlocks.models import LockWaiter
+
+    queue = LockWaiter.objects.using(locks[alias].database).filter(lock_name=locks[alias].make_key(name))
+    holder = Holder(name, alias, ttl=60)
+    first = workers("take", alias, name, 60)
+    until(lambda: queue.count() == 1, 30)
+    second = workers("take", alias, name, 60)
+    until(lambda: queue.count() == 2, 30)
+    first.kill()  # SIGKILL: its place stays in the table, ahead of the second waiter's
+    assert holder.release() is None
+    started = time.monotonic()
+    answer = second.line()
+    waited = time.monotonic() - started
+    # Served once the dead waiter's place ran out, long before the 60 s it would wait.
+    assert answer[0] == "acquired", answer
+    assert waited < 30, f"the next waiter got the lock only after {waited:.1f} s (places last {WAITER_LEASE} s)"
+    second.finish()

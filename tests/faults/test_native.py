@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -16,9 +17,10 @@ from distlocks.backends.db import close_connections
 from distlocks.backends.mysql import server_name
 from distlocks.handler import locks
 from distlocks.signals import lock_lost
-from tests.conftest import DB, NATIVE_ALIASES, Holder
-from tests.faults.conftest import FreezableProxy, free_elsewhere
+from tests.conftest import DB, NATIVE_ALIASES, Holder, queue_waiters
+from tests.faults.conftest import behind_proxy, free_elsewhere
 from tests.faults.test_db import kill_session
+from tests.test_db import places_queued
 
 pytestmark = DB
 native = pytest.mark.parametrize("alias", NATIVE_ALIASES, indirect=True)
@@ -152,19 +154,10 @@ def call(command, *args):
 
 
 @pytest.mark.parametrize("alias", ["postgresql_native"], indirect=True)
-def test_check_warns_when_postgresql_is_reached_through_a_proxy(alias, settings):
-    database = dict(connections["postgresql"].settings_dict)
-    proxy = FreezableProxy(int(database["PORT"]))
-    connections.settings["proxied"] = {**database, "HOST": "127.0.0.1", "PORT": str(proxy.port)}
-    backend = "distlocks.backends.postgresql.AdvisoryLockBackend"
-    settings.DISTLOCKS = {**settings.DISTLOCKS, "proxied": {"BACKEND": backend, "OPTIONS": {"DATABASE": "proxied"}}}
-    try:
+def test_check_warns_when_postgresql_is_reached_through_a_proxy(alias):
+    with behind_proxy(alias):
         assert [message.id for message in locks[alias].ping()] == []
         assert [message.id for message in locks["proxied"].ping()] == ["distlocks.W012"]
-    finally:
-        close_connections()
-        proxy.close()
-        del connections.settings["proxied"]
 
 
 @pytest.mark.parametrize("alias", ["mariadb_native"], indirect=True)
@@ -185,3 +178,57 @@ def test_a_full_memory_lease_table_makes_room_from_the_rows_of_freed_locks(alias
     finally:
         with connections["mariadb"].cursor() as cursor:
             cursor.execute("ALTER TABLE distlocks_native_lease MAX_ROWS = 0")
+
+
+@contextlib.contextmanager
+def extra_alias(settings, alias, database, backend):
+    """Lock alias ``alias`` with ``backend`` on a database of the test's own (``DATABASES`` entry ``database``)."""
+    connections.settings[alias] = database
+    settings.DISTLOCKS = {**settings.DISTLOCKS, alias: {"BACKEND": backend, "OPTIONS": {"DATABASE": alias}}}
+    try:
+        yield locks[alias]
+    finally:
+        close_connections()
+        connections[alias].close()
+        del connections[alias]  # the wrapper, with these settings, would outlive them in this thread
+        del connections.settings[alias]
+
+
+def behind_pgbouncer(port):
+    return {**connections["postgresql"].settings_dict, "HOST": "127.0.0.1", "PORT": str(port)}
+
+
+@pytest.mark.parametrize("alias", ["postgresql_native"], indirect=True)
+def test_check_refuses_advisory_locks_behind_pgbouncer_in_transaction_pooling_mode(alias, settings, pgbouncer):
+    backend = "distlocks.backends.postgresql.AdvisoryLockBackend"
+    with extra_alias(settings, "pooled", behind_pgbouncer(pgbouncer), backend) as pooled:
+        assert "distlocks.E008" in [message.id for message in pooled.ping()]
+    assert [message.id for message in locks[alias].ping()] == []
+
+
+@pytest.mark.parametrize("alias", ["postgresql"], indirect=True)
+def test_the_table_backend_serves_waiters_in_turn_behind_pgbouncer_in_transaction_pooling_mode(
+    alias, settings, pgbouncer, name
+):
+    backend = "distlocks.backends.db.DatabaseBackend"
+    with extra_alias(settings, "pooled", behind_pgbouncer(pgbouncer), backend) as pooled:
+        assert pooled.ping() is None
+        holder = Holder(name, "pooled")
+        threads, order = queue_waiters(
+            name, "pooled", "AB", gap=0, hold=0.01, queued=lambda started: places_queued(alias, name) == started
+        )
+        assert holder.release() is None
+        for thread in threads:
+            thread.join(30)
+        assert order == ["A", "B"]
+        assert places_queued(alias, name) == 0  # the same database, reached directly
+        assert list(pooled.held()) == []
+
+
+@pytest.mark.parametrize("alias", ["mariadb_native"], indirect=True)
+def test_check_warns_that_get_lock_is_local_to_a_galera_node(alias, settings, galera):
+    # A one-node Galera cluster reports wsrep_on ON; the tests' plain MariaDB reports it OFF.
+    database = {**connections["mariadb"].settings_dict, "NAME": "mysql", "HOST": galera, "PORT": "", "USER": "root"}
+    with extra_alias(settings, "galera", database, "distlocks.backends.mysql.MySQLLockBackend") as on_galera:
+        assert [message.id for message in on_galera.ping()] == ["distlocks.W013"]
+    assert [message.id for message in locks[alias].ping()] == []

@@ -18,7 +18,7 @@ from tests.conftest import DB, Holder
 from tests.faults.conftest import free_elsewhere
 from tests.servers import REDIS_PORT
 
-pytestmark = DB
+pytestmark = [DB, pytest.mark.servers("redis")]
 
 REDIS = "distlocks.backends.redis.RedisBackend"
 PASSWORD = "hunter2-s3cret"

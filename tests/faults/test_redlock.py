@@ -17,7 +17,7 @@ from tests.conftest import DB, Holder, guarded_events
 from tests.faults.conftest import free_elsewhere
 from tests.servers import REDIS_PORT, RedisServer, answers
 
-pytestmark = DB
+pytestmark = [DB, pytest.mark.servers("redis")]
 
 PORTS = [REDIS_PORT + 100 + i for i in range(5)]  # the test's own nodes
 

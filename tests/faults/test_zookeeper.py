@@ -29,6 +29,8 @@ from distlocks.owner import current_owner
 from distlocks.signals import lock_lost
 from tests.servers import ZK_PORT, ZooKeeperServer
 
+pytestmark = pytest.mark.servers("zookeeper")
+
 # Ports for servers of these tests' own.
 OWN_PORTS = range(ZK_PORT + 300, ZK_PORT + 350)
 

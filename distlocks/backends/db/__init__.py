@@ -11,7 +11,11 @@ does not shorten or stretch them. An expired row is deleted by a statement that
 re-checks the expiry and only then can a new row be inserted, which gives the
 new holder a larger fencing token (the auto-increment key); a force-release
 given a token deletes the row only if it is still that acquisition, in the same
-statement. Lock statements run on a connection of their own in autocommit mode:
+statement. Waiters are served roughly in turn: each takes a place in the
+lock's queue (a ``LockWaiter`` row, a lease of ``WAITER_LEASE`` seconds renewed
+while it waits), and the INSERT that takes a lock inserts only if no live waiter
+queued earlier, so a crashed waiter holds up the queue for at most that lease.
+Lock statements run on a connection of their own in autocommit mode:
 a lock is visible to every process as soon as it is taken and survives the
 rollback of the caller's transaction.
 

@@ -19,10 +19,11 @@ class Statements:
 
     def __init__(self, connection: BaseDatabaseWrapper) -> None:
         from distlocks.backends.db.rw import ReadWriteStatements
-        from distlocks.models import Lock
+        from distlocks.models import Lock, LockWaiter
 
         vendor = connection.vendor
         table = connection.ops.quote_name(Lock._meta.db_table)
+        queue = connection.ops.quote_name(LockWaiter._meta.db_table)
         if vendor == "mysql":
             # UTC whatever the session's time zone, so a DST change on the server
             # neither ends nor stretches a lease; Django reads DATETIME as UTC.
@@ -42,10 +43,21 @@ class Statements:
         returning = " RETURNING id" if vendor == "postgresql" else ""
         mine = f"lock_name = %s AND owner_secret = %s AND expires_at > {now}"
         self.returning = bool(returning)
+        # Insert only if no live waiter queued before the one inserting (the
+        # last parameter: its place, or the largest id for one not queued).
+        ahead = f"{queue} WHERE lock_name = %s AND id < %s AND expires_at > {now}"
+        dual = " FROM DUAL" if vendor == "mysql" else ""
         self.insert = (
             f"INSERT INTO {table} (lock_name, owner_host, owner_pid, owner_thread, owner_secret,"
-            f" hold_count, acquired_at, expires_at) VALUES (%s, %s, %s, %s, %s, 1, {now}, {later}){returning}"
+            f" hold_count, acquired_at, expires_at) SELECT %s, %s, %s, %s, %s, 1, {now}, {later}{dual}"
+            f" WHERE NOT EXISTS (SELECT 1 FROM {ahead}){returning}"
         )
+        # A waiter's look: is the lock live, and how many live waiters are ahead of it.
+        self.look = f"SELECT (SELECT COUNT(*) FROM {table} WHERE lock_name = %s AND expires_at > {now}), (SELECT COUNT(*) FROM {ahead})"
+        self.enqueue = f"INSERT INTO {queue} (lock_name, expires_at) VALUES (%s, {later}){returning}"
+        self.stay_queued = f"UPDATE {queue} SET expires_at = {later} WHERE id = %s"
+        self.dequeue = f"DELETE FROM {queue} WHERE id = %s"
+        self.clear_queue = f"DELETE FROM {queue} WHERE expires_at <= {now}"
         self.delete_expired = f"DELETE FROM {table} WHERE lock_name = %s AND expires_at <= {now}"
         self.is_live = f"SELECT 1 FROM {table} WHERE lock_name = %s AND expires_at > {now}"
         self.reenter = f"UPDATE {table} SET hold_count = hold_count + 1, expires_at = {later} WHERE {mine}"

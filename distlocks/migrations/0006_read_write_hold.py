@@ -7,7 +7,7 @@ import distlocks.models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("distlocks", "0004_native_lease_in_memory"),
+        ("distlocks", "0005_lock_waiter"),
     ]
 
     operations = [
