@@ -77,6 +77,27 @@ def async_counter(alias: str, name: str, path: str, tasks: str, rounds: str, pro
     say("done")
 
 
+def take_in_turn(alias: str, name: str, kind: str, label: str, log: str) -> None:
+    """Wait for the lock in a thread (``kind`` "sync") or an asyncio task ("async"); holding it, append ``label`` to ``log``."""
+    import asyncio
+
+    def note() -> None:
+        with open(log, "a") as file:
+            file.write(f"{label}\n")
+
+    if kind == "async":
+
+        async def main() -> None:
+            async with distlocks.alock(name, using=alias, wait=120):
+                note()
+
+        asyncio.run(main())
+    else:
+        with distlocks.lock(name, using=alias, wait=120):
+            note()
+    say("done")
+
+
 def guarded(alias: str, name: str, seconds: str, log: str) -> None:
     """Enter and leave a critical section under the lock for ``seconds``, logging each.
 
@@ -320,6 +341,7 @@ if __name__ == "__main__":
         "hold_until_lost": hold_until_lost,
         "queue_and_fork": queue_and_fork,
         "take": take,
+        "take_in_turn": take_in_turn,
         "take_when": take_when,
         "take_permit": take_permit,
     }
