@@ -184,7 +184,12 @@ class AsyncDistributedLock:
                 await turn.wait(attempt, remaining)
                 attempt += 1
         finally:
-            await _finish(asyncio.ensure_future(self._end(state, turn, tried)))
+            if tried is None or tried.done():
+                leaving = self._end(state, turn, tried)
+                if leaving is not None:
+                    await _finish(leaving)
+            else:  # cancelled during an attempt: the wait ends with it, without holding up the task
+                tried.add_done_callback(lambda _: self._end(state, turn, tried))
 
     async def _attempt(self, state: _TaskState, attempt: asyncio.Future[bool]) -> bool:
         """Await one attempt in the pool; if the task is cancelled meanwhile, release what it took."""
@@ -194,14 +199,13 @@ class AsyncDistributedLock:
             attempt.add_done_callback(functools.partial(self._undo, state))
             raise
 
-    async def _end(self, state: _TaskState, turn: AsyncTurn, tried: asyncio.Future[bool] | None) -> None:
-        """Stop waiting once the last attempt has ended, and leave the queue on the server if need be."""
-        if tried is not None and not tried.done():
-            await asyncio.wait([tried])
+    def _end(
+        self, state: _TaskState, turn: AsyncTurn, tried: asyncio.Future[bool] | None
+    ) -> asyncio.Future[None] | None:
+        """Stop waiting once the last attempt has ended; leaving the queue on the server, if need be, runs in the pool."""
         acquired = tried is not None and not tried.cancelled() and tried.exception() is None and tried.result()
         leave = turn.end(acquired)
-        if leave is not None:
-            await _submit(state, lambda: leave(locks[self.alias]))
+        return None if leave is None else _submit(state, lambda: leave(locks[self.alias]))
 
     def _undo(self, state: _TaskState, attempt: asyncio.Future[bool]) -> None:
         if not attempt.cancelled() and attempt.exception() is None and attempt.result():
