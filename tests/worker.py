@@ -325,10 +325,40 @@ def queue_and_fork(alias: str, name: str) -> None:
     time.sleep(3600)
 
 
+def async_queue_and_fork(alias: str, name: str) -> None:
+    """``queue_and_fork`` with an asyncio task waiting, on a loop in a thread of its own."""
+    import asyncio
+    import threading
+    import warnings
+
+    from distlocks.backends.redis import RedisBackend
+    from distlocks.handler import locks
+
+    backend = locks[alias]
+    assert isinstance(backend, RedisBackend)
+
+    async def wait() -> None:
+        await distlocks.alock(name, using=alias).acquire(wait=60)
+
+    threading.Thread(target=asyncio.run, args=(wait(),), daemon=True).start()
+    client, queue = backend.client, f"distlocks:{{{backend.make_key(name)}}}:queue"
+    while not client.zcard(queue):
+        time.sleep(0.01)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork() with threads running
+        child = os.fork()
+    if child == 0:
+        time.sleep(60)
+        os._exit(0)
+    say("forked", child)
+    time.sleep(3600)
+
+
 if __name__ == "__main__":
     scenario, *arguments = sys.argv[1:]
     scenarios: dict[str, Callable[..., None]] = {
         "async_counter": async_counter,
+        "async_queue_and_fork": async_queue_and_fork,
         "counter": counter,
         "fenced_holder": fenced_holder,
         "fenced_race": fenced_race,

@@ -146,7 +146,23 @@ _loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, str
 
 
 def _forget_loops_after_fork() -> None:
-    """A forked child subscribes anew: its parent's waiters are not its own."""
+    """Drop the parent's pub/sub sockets in a forked child, which subscribes anew.
+
+    Left open, they would make Redis count the parent's channels as listened to
+    after the parent died, and hand locks to its dead waiters. The child runs
+    no loop to close them on: each socket's copy here is replaced by /dev/null,
+    which closes it for the child alone and leaves its number valid for the
+    transport that closes it when collected.
+    """
+    for servers in list(_loops.values()):
+        for releases in servers.values():
+            writer = getattr(releases.pubsub.connection, "_writer", None)  # redis-py keeps no other handle
+            sock = None if writer is None else writer.get_extra_info("socket")
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    devnull = os.open(os.devnull, os.O_RDWR)
+                    os.dup2(devnull, sock.fileno())
+                    os.close(devnull)
     _loops.clear()
 
 
