@@ -35,6 +35,16 @@ async def until(condition, timeout=30.0):
         await asyncio.sleep(0.01)
 
 
+async def ticker(gaps, stop):
+    """Tick every 10 ms on the loop until ``stop`` is set, noting each gap between ticks in ``gaps``."""
+    last = time.monotonic()
+    while not stop.is_set():
+        await asyncio.sleep(0.01)
+        now = time.monotonic()
+        gaps.append(now - last)
+        last = now
+
+
 async def holder_of(lk):
     """Who holds the lock, asked from a thread (Django's connections are per context on the loop)."""
     return await asyncio.to_thread(lk.lock.holder)
@@ -161,15 +171,7 @@ def test_a_ticker_never_stalls_while_tasks_wait_for_a_held_lock(alias, name):
         holder = Holder(name, alias)
         stop = asyncio.Event()
 
-        async def ticker():
-            last = time.monotonic()
-            while not stop.is_set():
-                await asyncio.sleep(0.01)
-                now = time.monotonic()
-                gaps.append(now - last)
-                last = now
-
-        ticking = asyncio.create_task(ticker())
+        ticking = asyncio.create_task(ticker(gaps, stop))
         waiters = [
             asyncio.create_task(distlocks.alock(name, using=alias).acquire(wait=2)) for _ in range(POOL_SIZE * 3)
         ]
@@ -426,14 +428,6 @@ def test_on_redis_fifty_tasks_on_one_loop_take_turns_while_a_ticker_keeps_tickin
         lk = distlocks.alock(name, using=alias, wait=120)
         stop = asyncio.Event()
 
-        async def ticker():
-            last = time.monotonic()
-            while not stop.is_set():
-                await asyncio.sleep(0.01)
-                now = time.monotonic()
-                gaps.append(now - last)
-                last = now
-
         async def critical(number):
             async with lk:
                 if inside:
@@ -443,7 +437,7 @@ def test_on_redis_fifty_tasks_on_one_loop_take_turns_while_a_ticker_keeps_tickin
                 inside.remove(number)
                 served.append(number)
 
-        ticking = asyncio.create_task(ticker())
+        ticking = asyncio.create_task(ticker(gaps, stop))
         await asyncio.gather(*(critical(number) for number in range(50)))
         stop.set()
         await ticking

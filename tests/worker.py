@@ -300,33 +300,9 @@ def fenced_race(database: str, pks: str, first: str, step: str, rounds: str, sta
             say("stale", token, exc.current)
 
 
-def queue_and_fork(alias: str, name: str) -> None:
-    """Wait for the lock in a thread; once queued, fork a child that lives on (as a pool's worker would)."""
-    import threading
-    import warnings
-
-    from distlocks.backends.redis import RedisBackend
-    from distlocks.handler import locks
-
-    backend = locks[alias]
-    assert isinstance(backend, RedisBackend)
-    lock = distlocks.lock(name, using=alias, wait=60)
-    threading.Thread(target=lock.acquire, daemon=True).start()
-    client, queue = backend.client, f"distlocks:{{{backend.make_key(name)}}}:queue"
-    while not client.zcard(queue):
-        time.sleep(0.01)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # fork() with threads running
-        child = os.fork()
-    if child == 0:
-        time.sleep(60)
-        os._exit(0)
-    say("forked", child)
-    time.sleep(3600)
-
-
-def async_queue_and_fork(alias: str, name: str) -> None:
-    """``queue_and_fork`` with an asyncio task waiting, on a loop in a thread of its own."""
+def queue_and_fork(alias: str, name: str, kind: str = "sync") -> None:
+    """Wait for the lock in a thread (or, ``kind`` "async", in a task on a loop in a thread);
+    once queued, fork a child that lives on (as a pool's worker would)."""
     import asyncio
     import threading
     import warnings
@@ -340,7 +316,10 @@ def async_queue_and_fork(alias: str, name: str) -> None:
     async def wait() -> None:
         await distlocks.alock(name, using=alias).acquire(wait=60)
 
-    threading.Thread(target=asyncio.run, args=(wait(),), daemon=True).start()
+    if kind == "async":
+        threading.Thread(target=asyncio.run, args=(wait(),), daemon=True).start()
+    else:
+        threading.Thread(target=distlocks.lock(name, using=alias, wait=60).acquire, daemon=True).start()
     client, queue = backend.client, f"distlocks:{{{backend.make_key(name)}}}:queue"
     while not client.zcard(queue):
         time.sleep(0.01)
@@ -358,7 +337,6 @@ if __name__ == "__main__":
     scenario, *arguments = sys.argv[1:]
     scenarios: dict[str, Callable[..., None]] = {
         "async_counter": async_counter,
-        "async_queue_and_fork": async_queue_and_fork,
         "counter": counter,
         "fenced_holder": fenced_holder,
         "fenced_race": fenced_race,

@@ -21,7 +21,7 @@ from typing import Any
 
 from distlocks.backends.base import AsyncTurn, BaseLockBackend
 from distlocks.backends.redis.backend import RedisBackend
-from distlocks.backends.redis.handover import Waiter
+from distlocks.backends.redis.handover import Waiter, pass_on
 from distlocks.backends.redis.keys import lock_keys
 from distlocks.backends.redis.scripts import registered
 from distlocks.owner import Owner
@@ -62,6 +62,9 @@ class AsyncWaiter(Waiter):
     def __init__(self, channel: str, waiter_id: str) -> None:
         super().__init__(channel, waiter_id)
         self.woken = asyncio.Event()
+
+    def awaken(self) -> None:
+        self.woken.set()
 
 
 class LoopReleases:
@@ -116,27 +119,12 @@ class LoopReleases:
                 await self.client.aclose()
 
     async def _pass_on(self, message: dict[str, Any]) -> None:
-        """Wake the waiter ``message`` is for; give back a lock handed to a waiter that is gone."""
-        if message["type"] == "subscribe":
-            # The first subscription, or a resubscription after a reconnect
-            # (a Redis restart forgets the queues): every waiter tries again.
-            self.subscribed.set()
-            for waiter in self.waiters.values():
-                waiter.retry = True
-                waiter.woken.set()
-            return
-        if message["type"] != "message":
-            return
-        token, waiter_id, lock_hash = message["data"].decode().split(" ", 2)
-        handed_to = self.waiters.get(waiter_id)
-        if handed_to is not None:
-            handed_to.token = int(token)
-            handed_to.woken.set()
-            return
-        from redis.exceptions import RedisError
+        gone = pass_on(message, self.waiters, self.subscribed)
+        if gone is not None:
+            from redis.exceptions import RedisError
 
-        with contextlib.suppress(RedisError):
-            await registered(self.client)["abandon"](keys=lock_keys(lock_hash), args=[waiter_id, ""])
+            with contextlib.suppress(RedisError):
+                await registered(self.client)["abandon"](keys=lock_keys(gone[0]), args=[gone[1], ""])
 
 
 # Per event loop, per cache alias and server.
