@@ -3,9 +3,11 @@
 Each call to the server runs in one bounded pool of threads shared by the
 process, acting as the calling task (its owner identity and its table of
 holds: see ``holds.acting_for``), so that reentrancy, tokens, signals and the
-watchdog are the sync lock's own. Waiting happens on the event loop: between
-attempts the task sleeps there with the core's backoff, holding no thread and
-no queue entry on the server, so that a cancelled waiter leaves nothing behind.
+watchdog are the sync lock's own. Waiting happens on the event loop, holding
+no thread, as the backend's ``async_turn`` says: on Redis the task queues like
+a waiting thread and the loop reads its hand-over from pub/sub, so threads and
+tasks are served in turn; elsewhere it sleeps with the core's backoff. A
+cancelled waiter leaves nothing behind: no lock, no queue entry.
 The process's watchdog renews a task's holds from its own threads: a loop that
 stalls past the lease keeps its locks, and a hold that could not be renewed is
 marked lost (``lost``; ``release()`` raises LockLost).
@@ -26,8 +28,8 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, TypeVar
 
-from distlocks.backends.base import backoff, check_wait
-from distlocks.handler import DEFAULT_ALIAS
+from distlocks.backends.base import AsyncTurn, check_wait
+from distlocks.handler import DEFAULT_ALIAS, locks
 from distlocks.holds import Hold, acting_for
 from distlocks.lock import _DEFAULT, DistributedLock
 from distlocks.owner import Owner, acting_as, asyncio_task_owner
@@ -160,31 +162,50 @@ class AsyncDistributedLock:
         """Acquire the lock, waiting at most ``wait`` seconds on the event loop; return True if acquired.
 
         As ``DistributedLock.acquire``. Cancelling the waiting task leaves no
-        trace: an attempt under way when it is cancelled is undone once it ends.
+        trace: an attempt under way when it is cancelled is undone once it ends,
+        and then the task leaves the lock's queue, if it joined one.
         """
         called = time.monotonic()
         wait = self.wait if wait is _DEFAULT else check_wait(wait)
         deadline = None if wait is None else called + wait
         state = _current()
+        turn = locks[self.alias].async_turn(self.lock.key)
         attempt = 0
-        while True:
-            if await self._attempt(state, called):
-                return True
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                self.lock._failed(called, None)
-                return False
-            await asyncio.sleep(backoff(attempt, remaining))
-            attempt += 1
+        tried: asyncio.Future[bool] | None = None
+        try:
+            while True:
+                tried = _submit(state, self.lock._acquire, 0, called, False, turn)
+                if await self._attempt(state, tried):
+                    return True
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    self.lock._failed(called, None)
+                    return False
+                await turn.wait(attempt, remaining)
+                attempt += 1
+        finally:
+            if tried is None or tried.done():
+                leaving = self._end(state, turn, tried)
+                if leaving is not None:
+                    await _finish(leaving)
+            else:  # cancelled during an attempt: the wait ends with it, without holding up the task
+                tried.add_done_callback(lambda _: self._end(state, turn, tried))
 
-    async def _attempt(self, state: _TaskState, called: float) -> bool:
-        """Try once (or re-enter) in the pool; if the task is cancelled meanwhile, release what it took."""
-        attempt = _submit(state, self.lock._acquire, 0, called, False)
+    async def _attempt(self, state: _TaskState, attempt: asyncio.Future[bool]) -> bool:
+        """Await one attempt in the pool; if the task is cancelled meanwhile, release what it took."""
         try:
             return await asyncio.shield(attempt)
         except asyncio.CancelledError:
             attempt.add_done_callback(functools.partial(self._undo, state))
             raise
+
+    def _end(
+        self, state: _TaskState, turn: AsyncTurn, tried: asyncio.Future[bool] | None
+    ) -> asyncio.Future[None] | None:
+        """Stop waiting once the last attempt has ended; leaving the queue on the server, if need be, runs in the pool."""
+        acquired = tried is not None and not tried.cancelled() and tried.exception() is None and tried.result()
+        leave = turn.end(acquired)
+        return None if leave is None else _submit(state, lambda: leave(locks[self.alias]))
 
     def _undo(self, state: _TaskState, attempt: asyncio.Future[bool]) -> None:
         if not attempt.cancelled() and attempt.exception() is None and attempt.result():

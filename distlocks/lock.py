@@ -10,7 +10,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, NoReturn, ParamSpec, TypeVar
 
-from distlocks.backends.base import BaseLockBackend, LockInfo, check_positive_number, check_wait
+from distlocks.backends.base import AsyncTurn, BaseLockBackend, LockInfo, check_positive_number, check_wait
 from distlocks.exceptions import LockError, LockLost, LockNotAcquired, LockNotOwned
 from distlocks.handler import DEFAULT_ALIAS, locks
 from distlocks.holds import Hold, holds
@@ -198,7 +198,9 @@ class DistributedLock(LockAPI):
         """
         return self._acquire(self.wait if wait is _DEFAULT else check_wait(wait), time.monotonic())
 
-    def _acquire(self, wait: float | None, called: float, tell_not_acquired: bool = True) -> bool:
+    def _acquire(
+        self, wait: float | None, called: float, tell_not_acquired: bool = True, turn: AsyncTurn | None = None
+    ) -> bool:
         """``acquire()`` called at ``called`` (monotonic); an async caller that tries again has the failure told later."""
         backend = self.primitives(locks[self.alias])
         mine = holds()
@@ -208,7 +210,7 @@ class DistributedLock(LockAPI):
             return True
         owner = current_owner()
         try:
-            taken = self._take(backend, owner, wait)
+            taken = self._take(backend, owner, wait, turn)
         except Exception as exc:
             self._failed(called, exc)
             raise
@@ -249,8 +251,13 @@ class DistributedLock(LockAPI):
                 sender=type(self), name=self.name, alias=self.alias, waited=waited, error=error
             )
 
-    def _take(self, backend: BaseLockBackend, owner: Owner, wait: float | None) -> tuple[int, float] | None:
-        """Try until the lock is taken or ``wait`` runs out: (token, when the winning request left), or None."""
+    def _take(
+        self, backend: BaseLockBackend, owner: Owner, wait: float | None, turn: AsyncTurn | None = None
+    ) -> tuple[int, float] | None:
+        """Try until the lock is taken or ``wait`` runs out: (token, when the winning request left), or None.
+
+        An async lock tries once (``wait=0``) as its ``turn``, and waits on its loop.
+        """
         deadline = None if wait is None else time.monotonic() + wait
         attempt = 0
         token = None
@@ -259,7 +266,10 @@ class DistributedLock(LockAPI):
         try:
             while True:
                 started = time.monotonic()
-                token = backend.try_acquire(self.key, owner, self.ttl)
+                if turn is None:
+                    token = backend.try_acquire(self.key, owner, self.ttl)
+                else:
+                    token = turn.try_acquire(backend, self.key, owner, self.ttl)
                 if token is not None:
                     return token, started
                 remaining = None if deadline is None else deadline - time.monotonic()

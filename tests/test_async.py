@@ -15,6 +15,8 @@ import pytest
 import distlocks
 from demo_shop.shop.models import Stock
 from distlocks.aio import POOL_SIZE
+from distlocks.backends.redis.keys import lock_hash, lock_keys
+from distlocks.handler import locks
 
 from .conftest import DB, LEASE_ALIASES, PROCESS_ALIASES, ROOT, Holder, worker_env
 
@@ -31,6 +33,16 @@ async def until(condition, timeout=30.0):
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         await asyncio.sleep(0.01)
+
+
+async def ticker(gaps, stop):
+    """Tick every 10 ms on the loop until ``stop`` is set, noting each gap between ticks in ``gaps``."""
+    last = time.monotonic()
+    while not stop.is_set():
+        await asyncio.sleep(0.01)
+        now = time.monotonic()
+        gaps.append(now - last)
+        last = now
 
 
 async def holder_of(lk):
@@ -159,15 +171,7 @@ def test_a_ticker_never_stalls_while_tasks_wait_for_a_held_lock(alias, name):
         holder = Holder(name, alias)
         stop = asyncio.Event()
 
-        async def ticker():
-            last = time.monotonic()
-            while not stop.is_set():
-                await asyncio.sleep(0.01)
-                now = time.monotonic()
-                gaps.append(now - last)
-                last = now
-
-        ticking = asyncio.create_task(ticker())
+        ticking = asyncio.create_task(ticker(gaps, stop))
         waiters = [
             asyncio.create_task(distlocks.alock(name, using=alias).acquire(wait=2)) for _ in range(POOL_SIZE * 3)
         ]
@@ -336,3 +340,110 @@ def test_async_with_raises_lock_not_acquired_when_the_wait_runs_out(alias, name)
             assert holder.release() is None
 
     run(main())
+
+
+def redis_queue(name):
+    """The Redis client of the "redis" alias and the key of the lock's waiters' queue there."""
+    backend = locks["redis"]
+    return backend.client, lock_keys(lock_hash(backend.make_key(name)))[2]
+
+
+@pytest.mark.parametrize("alias", ["redis"], indirect=True)
+def test_on_redis_a_waiting_task_is_queued_and_cancelling_it_takes_it_out_of_the_queue(alias, name):
+    client, queue = redis_queue(name)
+
+    async def main():
+        holder = Holder(name, alias)
+        lk = distlocks.alock(name, using=alias)
+        waiting = asyncio.create_task(lk.acquire(wait=60))
+        await until(lambda: client.zcard(queue) == 1)  # it waits for its turn, in the lock's queue
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert client.zcard(queue) == 0
+        assert holder.release() is None
+        assert await holder_of(lk) is None, "the lock was handed to the cancelled waiter"
+        assert await lk.acquire(wait=0)
+        await lk.release()
+
+    run(main())
+
+
+@pytest.mark.parametrize("alias", ["redis"], indirect=True)
+def test_on_redis_tasks_and_threads_of_several_processes_are_served_in_the_order_they_queued(
+    alias, name, tmp_path, workers
+):
+    """Each waiter starts once the one before it is in the lock's queue; the release hands the lock on in that order."""
+    client, queue = redis_queue(name)
+    log = tmp_path / "order"
+    log.touch()
+    here = []
+
+    def take_here(kind, label):
+        def note():
+            with log.open("a") as file:
+                file.write(f"{label}\n")
+
+        async def take_async():
+            async with distlocks.alock(name, using=alias, wait=120):
+                note()
+
+        def take():
+            if kind == "async":
+                asyncio.run(take_async())
+            else:
+                with distlocks.lock(name, using=alias, wait=120):
+                    note()
+
+        thread = threading.Thread(target=take)
+        thread.start()
+        here.append(thread)
+
+    plan = [("async", "A", "worker"), ("sync", "B", "here"), ("async", "C", "here"), ("sync", "D", "worker")]
+    plan += [("async", "E", "worker"), ("async", "F", "here")]
+    holder = Holder(name, alias)
+    started = []
+    for queued, (kind, label, where) in enumerate(plan, 1):
+        if where == "here":
+            take_here(kind, label)
+        else:
+            started.append(workers("take_in_turn", alias, name, kind, label, log))
+        deadline = time.monotonic() + 60
+        while client.zcard(queue) < queued:
+            assert time.monotonic() < deadline, f"{label} did not queue"
+            time.sleep(0.01)
+    assert holder.release() is None
+    for worker in started:
+        assert worker.finish() == ["done"]
+    for thread in here:
+        thread.join(60)
+    assert log.read_text().split() == [label for _, label, _ in plan]
+
+
+@pytest.mark.parametrize("alias", ["redis"], indirect=True)
+def test_on_redis_fifty_tasks_on_one_loop_take_turns_while_a_ticker_keeps_ticking(alias, name):
+    gaps, inside, overlaps, served = [], [], [], []
+
+    async def main():
+        lk = distlocks.alock(name, using=alias, wait=120)
+        stop = asyncio.Event()
+
+        async def critical(number):
+            async with lk:
+                if inside:
+                    overlaps.append((number, list(inside)))
+                inside.append(number)
+                await asyncio.sleep(0.005)
+                inside.remove(number)
+                served.append(number)
+
+        ticking = asyncio.create_task(ticker(gaps, stop))
+        await asyncio.gather(*(critical(number) for number in range(50)))
+        stop.set()
+        await ticking
+        assert await holder_of(lk) is None
+
+    run(main())
+    assert sorted(served) == list(range(50))
+    assert overlaps == []
+    assert max(gaps) < 1.0, f"the loop stalled for {max(gaps):.3f}s"

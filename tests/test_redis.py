@@ -332,11 +332,12 @@ def test_the_queue_outlives_the_lease_a_waiter_sleeps_through(name):
     holder.release()
 
 
-def test_a_forked_child_does_not_keep_a_dead_waiter_listening(name, workers):
+@pytest.mark.parametrize("waiter", ["sync", "async"])
+def test_a_forked_child_does_not_keep_a_dead_waiter_listening(name, workers, waiter):
     holder = distlocks.lock(name, using="redis", ttl=30)
     holder.acquire()
     client, queue = _queue(name)
-    parent = workers("queue_and_fork", "redis", name)
+    parent = workers("queue_and_fork", "redis", name, waiter)
     event, child = parent.line()
     assert event == "forked"
     try:

@@ -77,6 +77,27 @@ def async_counter(alias: str, name: str, path: str, tasks: str, rounds: str, pro
     say("done")
 
 
+def take_in_turn(alias: str, name: str, kind: str, label: str, log: str) -> None:
+    """Wait for the lock in a thread (``kind`` "sync") or an asyncio task ("async"); holding it, append ``label`` to ``log``."""
+    import asyncio
+
+    def note() -> None:
+        with open(log, "a") as file:
+            file.write(f"{label}\n")
+
+    if kind == "async":
+
+        async def main() -> None:
+            async with distlocks.alock(name, using=alias, wait=120):
+                note()
+
+        asyncio.run(main())
+    else:
+        with distlocks.lock(name, using=alias, wait=120):
+            note()
+    say("done")
+
+
 def guarded(alias: str, name: str, seconds: str, log: str) -> None:
     """Enter and leave a critical section under the lock for ``seconds``, logging each.
 
@@ -346,8 +367,10 @@ def fenced_race(database: str, pks: str, first: str, step: str, rounds: str, sta
             say("stale", token, exc.current)
 
 
-def queue_and_fork(alias: str, name: str) -> None:
-    """Wait for the lock in a thread; once queued, fork a child that lives on (as a pool's worker would)."""
+def queue_and_fork(alias: str, name: str, kind: str = "sync") -> None:
+    """Wait for the lock in a thread (or, ``kind`` "async", in a task on a loop in a thread);
+    once queued, fork a child that lives on (as a pool's worker would)."""
+    import asyncio
     import threading
     import warnings
 
@@ -356,8 +379,14 @@ def queue_and_fork(alias: str, name: str) -> None:
 
     backend = locks[alias]
     assert isinstance(backend, RedisBackend)
-    lock = distlocks.lock(name, using=alias, wait=60)
-    threading.Thread(target=lock.acquire, daemon=True).start()
+
+    async def wait() -> None:
+        await distlocks.alock(name, using=alias).acquire(wait=60)
+
+    if kind == "async":
+        threading.Thread(target=asyncio.run, args=(wait(),), daemon=True).start()
+    else:
+        threading.Thread(target=distlocks.lock(name, using=alias, wait=60).acquire, daemon=True).start()
     client, queue = backend.client, f"distlocks:{{{backend.make_key(name)}}}:queue"
     while not client.zcard(queue):
         time.sleep(0.01)
@@ -392,6 +421,7 @@ if __name__ == "__main__":
         "rw_hold_until_lost": rw_hold_until_lost,
         "rw_take": rw_take,
         "take": take,
+        "take_in_turn": take_in_turn,
         "take_when": take_when,
         "take_permit": take_permit,
     }

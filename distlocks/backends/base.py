@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
 import random
@@ -96,6 +97,27 @@ def backoff(attempt: int, remaining: float | None) -> float:
     """Seconds to sleep before the next attempt: capped exponential backoff with jitter, at most ``remaining``."""
     delay = min(0.002 * 2 ** min(attempt, 5), 0.05) * random.uniform(0.5, 1.0)
     return delay if remaining is None else max(0.0, min(delay, remaining))
+
+
+class AsyncTurn:
+    """How an async lock (``distlocks.aio``) waits for ``key`` between attempts.
+
+    The attempts and leaving run in a pool thread, the wait on the event loop.
+    This default polls with the core's backoff; a backend whose server tells
+    a waiter its turn (Redis) queues it and waits for the message instead.
+    """
+
+    def try_acquire(self, backend: BaseLockBackend, key: str, owner: Owner, ttl: float) -> int | None:
+        """One attempt, in a pool thread: ``backend.try_acquire``, as this waiter."""
+        return backend.try_acquire(key, owner, ttl)
+
+    async def wait(self, attempt: int, remaining: float | None) -> None:
+        """Sleep on the loop until the lock may be free, at most ``remaining`` seconds."""
+        await asyncio.sleep(backoff(attempt, remaining))
+
+    def end(self, acquired: bool) -> Callable[[BaseLockBackend], None] | None:
+        """Stop waiting (on the loop); return what is left to do on the server in a pool thread, if anything."""
+        return None
 
 
 class BaseLockBackend:
@@ -194,6 +216,10 @@ class BaseLockBackend:
 
     def end_wait(self, key: str, acquired: bool) -> None:
         """Forget this thread's attempt on ``key``: it ``acquired`` the lock, or gave up."""
+
+    def async_turn(self, key: str) -> AsyncTurn:
+        """A new async waiter for ``key`` (see AsyncTurn); called on the event loop."""
+        return AsyncTurn()
 
     # -- read-write locks (see distlocks.rwlock): ``mode`` is "read" or "write" ---------
 

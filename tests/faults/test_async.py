@@ -1,4 +1,4 @@
-"""``alock()`` under faults: a task cancelled while its attempt hangs on a frozen server."""
+"""``alock()`` under faults: a frozen server while a task's attempt hangs, or while it waits in the queue."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ import time
 import pytest
 
 import distlocks
+from distlocks.backends.redis.keys import lock_hash, lock_keys
+from distlocks.handler import locks
+from tests.faults.conftest import frozen
 from tests.servers import REDIS_PORT
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -37,5 +40,42 @@ def test_a_task_cancelled_while_its_attempt_hangs_leaves_no_lock_once_the_server
             assert time.monotonic() < deadline, f"the cancelled task's attempt left the lock held: {holder}"
             await asyncio.sleep(0.05)
         assert lk.hold_count == 0
+
+    asyncio.run(main())
+
+
+def test_a_task_waiting_in_the_queue_of_a_frozen_redis_gets_backend_unavailable_in_bounded_time(own_redis, name):
+    """The loop's wait ends with the lease it was told; the next attempt times out: no hang, and the loop runs on."""
+    server = own_redis(REDIS_PORT + 91, SOCKET_CONNECT_TIMEOUT=1, SOCKET_TIMEOUT=2)
+    backend = locks["own"]
+    client, queue = backend.client, lock_keys(lock_hash(backend.make_key(name)))[2]
+    holder = distlocks.lock(name, using="own", ttl=3, renew=False)
+    assert holder.acquire(wait=0)
+    ticks = []
+
+    async def main():
+        async def ticker():
+            while True:
+                await asyncio.sleep(0.05)
+                ticks.append(time.monotonic())
+
+        ticking = asyncio.create_task(ticker())
+        waiting = asyncio.create_task(distlocks.alock(name, using="own").acquire(wait=60))
+        deadline = time.monotonic() + 30
+        while client.zcard(queue) != 1:  # it waits in the lock's queue
+            assert time.monotonic() < deadline, "the task did not queue"
+            await asyncio.sleep(0.01)
+        with frozen(server):
+            frozen_at = time.monotonic()
+            with pytest.raises(distlocks.BackendUnavailable):
+                await waiting
+            took = time.monotonic() - frozen_at
+            assert took < 20, f"BackendUnavailable only after {took:.1f}s"  # lease 3 s, socket timeout 2 s
+            assert ticks[-1] > time.monotonic() - 1, "the loop stalled"
+        ticking.cancel()
+        # Once Redis answers again, the lock is free to take (the holder's lease ran out, its entry is gone).
+        lk = distlocks.alock(name, using="own")
+        assert await lk.acquire(wait=30)
+        await lk.release()
 
     asyncio.run(main())

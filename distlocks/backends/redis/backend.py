@@ -13,7 +13,7 @@ from typing import Any
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 
-from distlocks.backends.base import BaseLockBackend, LockInfo
+from distlocks.backends.base import AsyncTurn, BaseLockBackend, LockInfo
 from distlocks.backends.redis import rwscripts
 from distlocks.backends.redis.handover import Releases, Waiter, releases_for
 from distlocks.backends.redis.keys import key_of, lock_hash, lock_keys
@@ -112,7 +112,10 @@ class RedisBackend(BaseLockBackend):
         return max(1, round(ttl * 1000))
 
     def try_acquire(self, key: str, owner: Owner, ttl: float) -> int | None:
-        waiter = self._waiting.get(key)
+        return self.try_acquire_as(key, owner, ttl, self._waiting.get(key))
+
+    def try_acquire_as(self, key: str, owner: Owner, ttl: float, waiter: Waiter | None) -> int | None:
+        """One attempt, by ``waiter`` if it waits (a thread's, or an async task's: see ``aiowait``)."""
         if waiter is not None and waiter.token:
             return self._handed_over(key, owner, ttl, waiter, waiter.token)
         lease = self._ms(ttl)
@@ -201,11 +204,20 @@ class RedisBackend(BaseLockBackend):
         waiter = self._waiting.pop(key, None)
         if waiter is None:
             return
-        if not acquired and waiter.entry:
-            # Leave the queue, passing on the lock if a release handed it over meanwhile.
+        if not acquired:
+            self.leave_queue(key, waiter)
+        self._releases().discharge(waiter)
+
+    def leave_queue(self, key: str, waiter: Waiter) -> None:
+        """Take ``waiter`` out of the lock's queue, passing on the lock if a release handed it over meanwhile."""
+        if waiter.entry:
             with contextlib.suppress(BackendUnavailable):
                 self._call("abandon", self._keys(key), [waiter.id, waiter.entry])
-        self._releases().discharge(waiter)
+
+    def async_turn(self, key: str) -> AsyncTurn:
+        from distlocks.backends.redis.aiowait import RedisTurn
+
+        return RedisTurn(self, key)
 
     # -- read-write locks (see rwscripts) ----------------------------------------
 

@@ -9,7 +9,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from distlocks.backends.redis.keys import lock_keys
@@ -31,6 +31,9 @@ class Waiter:
         self.queued = False  # an attempt put its entry in the lock's queue
         self.queued_at = 0.0  # when the first such attempt was sent (monotonic): no hand-over came before
         self.retry = False  # the channel was (re)subscribed: releases may have been missed
+
+    def awaken(self) -> None:
+        self.wake.set()
 
     def queue_entry(self, owner: Owner, lease_ms: int) -> str:
         """Where to tell it, who it is, and the lease to hand it the lock with."""
@@ -109,30 +112,38 @@ class Releases:
         self.broken = False
         if message is None:
             return
-        if message["type"] == "subscribe":
-            # The first subscription, or a resubscription after a reconnect
-            # (a Redis restart forgets the queues): every waiter tries again.
-            with self.lock:
-                self.subscribed.set()
-                for waiter in self.waiters.values():
-                    waiter.retry = True
-                    waiter.wake.set()
-            return
-        if message["type"] != "message":
-            return
-        token, waiter_id, lock_hash = message["data"].decode().split(" ", 2)
         with self.lock:
-            handed_to = self.waiters.get(waiter_id)
-            if handed_to is not None:
-                handed_to.token = int(token)
-                handed_to.wake.set()
-                return
-        # Handed to a waiter that left without leaving the queue (Redis was
-        # unreachable then): give it back, or nobody holds it for a lease.
-        from redis.exceptions import RedisError
+            gone = pass_on(message, self.waiters, self.subscribed)
+        if gone is not None:
+            from redis.exceptions import RedisError
 
-        with contextlib.suppress(RedisError):
-            registered(self.client)["abandon"](keys=lock_keys(lock_hash), args=[waiter_id, ""])
+            with contextlib.suppress(RedisError):
+                registered(self.client)["abandon"](keys=lock_keys(gone[0]), args=[gone[1], ""])
+
+
+def pass_on(message: dict[str, Any], waiters: Mapping[str, Waiter], subscribed: Any) -> tuple[str, str] | None:
+    """Wake the waiter a pub/sub ``message`` hands a lock to; on a (re)subscription, every waiter.
+
+    A resubscription follows a reconnect (a Redis restart forgets the queues):
+    every waiter tries again. Return (lock hash, waiter id) of a lock handed to
+    a waiter that left without leaving the queue (Redis was unreachable then):
+    the caller gives it back, or nobody holds it for a lease.
+    """
+    if message["type"] == "subscribe":
+        subscribed.set()
+        for waiter in waiters.values():
+            waiter.retry = True
+            waiter.awaken()
+        return None
+    if message["type"] != "message":
+        return None
+    token, waiter_id, lock_hash = message["data"].decode().split(" ", 2)
+    handed_to = waiters.get(waiter_id)
+    if handed_to is None:
+        return lock_hash, waiter_id
+    handed_to.token = int(token)
+    handed_to.awaken()
+    return None
 
 
 # One per cache alias and server (tests point an alias at new servers), in this process.

@@ -1,0 +1,217 @@
+"""An async lock's wait on Redis: queued as a thread waits, woken by the event loop's pub/sub reader.
+
+The attempts run the same scripts as a thread's, in the async lock's pool;
+only the wait is the loop's. An async waiter joins the lock's queue like a
+waiting thread, so that a release hands the lock to threads and tasks in the
+order they queued, and the loop reads the hand-over from a pub/sub connection
+of its own (``redis.asyncio``): no thread and no polling while a task waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import secrets
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from distlocks.backends.base import AsyncTurn, BaseLockBackend
+from distlocks.backends.redis.backend import RedisBackend
+from distlocks.backends.redis.handover import Waiter, pass_on
+from distlocks.backends.redis.keys import lock_keys
+from distlocks.backends.redis.scripts import registered
+from distlocks.owner import Owner
+
+logger = logging.getLogger(__name__)
+
+# The sync client's connection settings an asyncio client takes as they are (besides ssl_*).
+_SHARED_SETTINGS = (
+    "host",
+    "port",
+    "path",
+    "db",
+    "username",
+    "password",
+    "socket_timeout",
+    "socket_connect_timeout",
+    "socket_keepalive",
+    "socket_keepalive_options",
+    "client_name",
+)
+
+
+def _async_client(client: Any) -> Any:
+    """An asyncio client to the server of the sync ``client``, with its address, credentials and timeouts."""
+    import redis.asyncio
+
+    pool = client.connection_pool
+    settings = {k: v for k, v in pool.connection_kwargs.items() if k in _SHARED_SETTINGS or k.startswith("ssl_")}
+    connection_class = getattr(redis.asyncio.connection, pool.connection_class.__name__)
+    return redis.asyncio.Redis(
+        connection_pool=redis.asyncio.ConnectionPool(connection_class=connection_class, **settings)
+    )
+
+
+class AsyncWaiter(Waiter):
+    """A task waiting for a lock: woken on the loop by the hand-over (or a resubscription)."""
+
+    def __init__(self, channel: str, waiter_id: str) -> None:
+        super().__init__(channel, waiter_id)
+        self.woken = asyncio.Event()
+
+    def awaken(self) -> None:
+        self.woken.set()
+
+
+class LoopReleases:
+    """One event loop's pub/sub connection to one Redis, read by one task that passes each hand-over on.
+
+    Like the threads' ``Releases``, but read by the loop; it lives as long as
+    the loop (``asyncio.run`` cancels the reader, which closes the connection).
+    """
+
+    def __init__(self, client: Any) -> None:
+        self.client = _async_client(client)
+        self.pubsub = self.client.pubsub()
+        process = secrets.token_hex(8)
+        self.channel = f"distlocks:waiters:{process}"
+        self.waiter_ids = (f"{process}.{n}" for n in itertools.count(1))  # unique across processes
+        self.waiters: dict[str, AsyncWaiter] = {}
+        self.subscribed = asyncio.Event()
+        self.reader: asyncio.Task[None] | None = None
+        self.broken = False
+
+    def enlist(self) -> AsyncWaiter:
+        if self.reader is None:
+            self.reader = asyncio.get_running_loop().create_task(self._read(), name="distlocks-releases")
+        waiter = AsyncWaiter(self.channel, next(self.waiter_ids))
+        self.waiters[waiter.id] = waiter
+        return waiter
+
+    def discharge(self, waiter: AsyncWaiter) -> None:
+        self.waiters.pop(waiter.id, None)
+
+    async def _read(self) -> None:
+        from redis.exceptions import RedisError
+
+        try:
+            while True:
+                try:
+                    if not self.pubsub.subscribed:
+                        await self.pubsub.subscribe(self.channel)
+                    message = await self.pubsub.get_message(timeout=1.0)
+                except RedisError as exc:  # redis-py reconnects and resubscribes at the next read
+                    if not self.broken:  # once per outage, not at every read
+                        logger.warning("Redis release channel lost, reconnecting: %s", exc)
+                    self.broken = True
+                    await asyncio.sleep(0.5)
+                    continue
+                self.broken = False
+                if message is not None:
+                    await self._pass_on(message)
+        finally:
+            with contextlib.suppress(Exception):
+                await self.pubsub.aclose()
+                await self.client.aclose()
+
+    async def _pass_on(self, message: dict[str, Any]) -> None:
+        gone = pass_on(message, self.waiters, self.subscribed)
+        if gone is not None:
+            from redis.exceptions import RedisError
+
+            with contextlib.suppress(RedisError):
+                await registered(self.client)["abandon"](keys=lock_keys(gone[0]), args=[gone[1], ""])
+
+
+# Per event loop, per cache alias and server.
+_loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, str], LoopReleases]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _forget_loops_after_fork() -> None:
+    """Drop the parent's pub/sub sockets in a forked child, which subscribes anew.
+
+    Left open, they would make Redis count the parent's channels as listened to
+    after the parent died, and hand locks to its dead waiters. The child runs
+    no loop to close them on: each socket's copy here is replaced by /dev/null,
+    which closes it for the child alone and leaves its number valid for the
+    transport that closes it when collected.
+    """
+    for servers in list(_loops.values()):
+        for releases in servers.values():
+            writer = getattr(releases.pubsub.connection, "_writer", None)  # redis-py keeps no other handle
+            sock = None if writer is None else writer.get_extra_info("socket")
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    devnull = os.open(os.devnull, os.O_RDWR)
+                    os.dup2(devnull, sock.fileno())
+                    os.close(devnull)
+    _loops.clear()
+
+
+os.register_at_fork(after_in_child=_forget_loops_after_fork)
+
+
+def loop_releases(server: tuple[str, str], client: Callable[[], Any]) -> LoopReleases:
+    """The running loop's hand-overs from ``server`` (cache alias, address), made on first use."""
+    servers = _loops.setdefault(asyncio.get_running_loop(), {})
+    releases = servers.get(server)
+    if releases is None or (releases.reader is not None and releases.reader.done()):
+        releases = servers[server] = LoopReleases(client())
+    return releases
+
+
+async def _until(event: asyncio.Event, timeout: float) -> None:
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(event.wait(), timeout)
+
+
+class RedisTurn(AsyncTurn):
+    """A task's wait for one lock on Redis, as ``RedisBackend.wait`` does a thread's."""
+
+    def __init__(self, backend: RedisBackend, key: str) -> None:
+        self.server = (backend.cache, backend.address)
+        self.make_client = lambda: backend.client
+        self.key = key
+        self.releases: LoopReleases | None = None
+        self.waiter: AsyncWaiter | None = None
+        self.hint = 1.0  # how long the last attempt said to wait at most
+
+    def try_acquire(self, backend: BaseLockBackend, key: str, owner: Owner, ttl: float) -> int | None:
+        assert isinstance(backend, RedisBackend)
+        token = backend.try_acquire_as(key, owner, ttl, self.waiter)
+        self.hint = backend._wait_hint.pop(key, 1.0)
+        return token
+
+    async def wait(self, attempt: int, remaining: float | None) -> None:
+        """The first wait subscribes the loop's channel, so the next attempt queues; later ones wait for the turn."""
+        if self.waiter is None:
+            self.releases = loop_releases(self.server, self.make_client)
+            self.waiter = self.releases.enlist()
+            await _until(self.releases.subscribed, 1.0 if remaining is None else min(remaining, 1.0))
+            self.waiter.retry = False
+            return
+        waiter = self.waiter
+        await _until(waiter.woken, self.hint if remaining is None else min(self.hint, remaining))
+        waiter.woken.clear()
+        waiter.retry = False
+
+    def end(self, acquired: bool) -> Callable[[BaseLockBackend], None] | None:
+        waiter = self.waiter
+        if waiter is None or self.releases is None:
+            return None
+        self.releases.discharge(waiter)
+        if acquired or not waiter.entry:
+            return None
+        key = self.key
+
+        def leave(backend: BaseLockBackend) -> None:
+            assert isinstance(backend, RedisBackend)
+            backend.leave_queue(key, waiter)
+
+        return leave
