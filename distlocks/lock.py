@@ -10,7 +10,14 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, NoReturn, ParamSpec, TypeVar
 
-from distlocks.backends.base import AsyncTurn, BaseLockBackend, LockInfo, check_positive_number, check_wait
+from distlocks.backends.base import (
+    AsyncTurn,
+    BaseLockBackend,
+    LockInfo,
+    check_name_and_alias,
+    check_positive_number,
+    check_wait,
+)
 from distlocks.exceptions import LockError, LockLost, LockNotAcquired, LockNotOwned
 from distlocks.handler import DEFAULT_ALIAS, locks
 from distlocks.holds import Hold, holds
@@ -93,12 +100,7 @@ class DistributedLock(LockAPI):
         renew: bool = True,
         until: str | None = None,
     ) -> None:
-        if not isinstance(name, str):
-            raise ValueError(f"name must be a str, not {type(name).__name__}")
-        if not name:
-            raise ValueError("name must not be empty")
-        if not isinstance(using, str):
-            raise ValueError(f"using must be the str alias of a DISTLOCKS entry, not {type(using).__name__}")
+        check_name_and_alias(name, using)
         if not isinstance(renew, bool):
             raise ValueError(f"renew must be True or False, not {renew!r}")
         if until is not None and not (isinstance(until, str) and until == "commit"):

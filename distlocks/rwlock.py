@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from distlocks.backends.base import BaseLockBackend, LockInfo
+from distlocks.backends.base import BaseLockBackend, LockInfo, check_name_and_alias
 from distlocks.handler import DEFAULT_ALIAS, locks
 from distlocks.holds import holds
 from distlocks.lock import _DEFAULT, DistributedLock
@@ -130,10 +130,7 @@ class ReadWriteLock:
         wait: float | None = None,
         renew: bool = True,
     ) -> None:
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"name must be a non-empty str, not {name!r}")
-        if not isinstance(using, str):
-            raise ValueError(f"using must be the str alias of a DISTLOCKS entry, not {type(using).__name__}")
+        check_name_and_alias(name, using)
         backend = locks[using]
         if not backend.rw_supported:
             raise NotImplementedError(

@@ -24,7 +24,7 @@ import time
 
 from django.utils.crypto import salted_hmac
 
-from distlocks.backends.base import check_wait
+from distlocks.backends.base import check_name_and_alias, check_wait
 from distlocks.exceptions import LockError, LockNotAcquired, LockNotOwned
 from distlocks.handler import DEFAULT_ALIAS
 from distlocks.lock import _DEFAULT, DistributedLock, LockAPI
@@ -71,8 +71,7 @@ class Semaphore(LockAPI):
         wait: float | None = None,
         renew: bool = True,
     ) -> None:
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"name must be a non-empty str, not {name!r}")
+        check_name_and_alias(name, using)
         self.name = name
         self.permits = check_permits(permits)
         self.alias = using

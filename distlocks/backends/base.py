@@ -73,6 +73,16 @@ class LockInfo:
         }
 
 
+def check_name_and_alias(name: Any, using: Any) -> None:
+    """Refuse a lock name that is not a non-empty str, and an alias that is not a str (every lock kind's first check)."""
+    if not isinstance(name, str):
+        raise ValueError(f"name must be a str, not {type(name).__name__}")
+    if not name:
+        raise ValueError("name must not be empty")
+    if not isinstance(using, str):
+        raise ValueError(f"using must be the str alias of a DISTLOCKS entry, not {type(using).__name__}")
+
+
 def check_positive_number(value: Any, what: str) -> float:
     """Return ``value`` as a float, or raise ValueError naming ``what``."""
     if isinstance(value, bool) or not isinstance(value, int | float):
