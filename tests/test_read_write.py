@@ -132,12 +132,12 @@ def test_the_lock_api_on_both_sides(alias, leave_nothing, name):
             assert reading.hold_count == 2
         assert takes(alias, name, "read", 0)
         assert takes(alias, name, "write", 0.2) is False
-        shown = [info for info in held_locks([alias]).locks if info.name.endswith(f"rw:{name}")]
+        shown = [info for info in held_locks([alias]).locks if info.key.endswith(f"rw:{name}")]
         assert [(info.kind, info.token, info.hold_count) for info in shown] == [("read", reading.token, 1)]
     with writing:
         assert takes(alias, name, "read", 0.2) is False
         assert takes(alias, name, "write", 0) is False
-        shown = [info for info in held_locks([alias]).locks if info.name.endswith(f"rw:{name}")]
+        shown = [info for info in held_locks([alias]).locks if info.key.endswith(f"rw:{name}")]
         assert [(info.kind, info.token) for info in shown] == [("write", writing.token)]
     with pytest.raises(distlocks.LockNotOwned):
         writing.release()

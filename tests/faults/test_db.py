@@ -72,7 +72,7 @@ def take(name, alias, wait=0):
 
 
 def held_row(alias, key):
-    return next(info for info in locks[alias].held() if info.name == key)
+    return next(info for info in locks[alias].held() if info.key == key)
 
 
 def set_time_zone(connection, zone):
@@ -260,7 +260,7 @@ def test_names_are_distinct_locks_when_they_differ_only_in_case_trailing_space_o
     lk = distlocks.lock(second, using=alias, renew=False)
     try:
         assert lk.acquire(wait=0), f"{second!r} is taken by the holder of {first!r}"
-        names = {info.name for info in locks[alias].held()}
+        names = {info.key for info in locks[alias].held()}
         assert {first, second} <= names
         lk.release()
     finally:

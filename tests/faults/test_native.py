@@ -141,7 +141,7 @@ def test_cleanup_deletes_expired_leases_and_ends_their_sessions(alias, name):
         assert call("distlocks_cleanup", "--using", alias) == f"{alias}: deleted 3 expired locks\n"
         assert call("distlocks_cleanup", "--using", alias) == f"{alias}: deleted 0 expired locks\n"
         until(lambda: all(free_elsewhere(lk.name, alias) for lk in expired), what="the hung sessions ending")
-        assert [info.name for info in locks[alias].held()] == [live.key]
+        assert [info.key for info in locks[alias].held()] == [live.key]
         for lk in expired:
             with pytest.raises(distlocks.LockLost):
                 lk.release()
@@ -172,7 +172,7 @@ def test_a_full_memory_lease_table_makes_room_from_the_rows_of_freed_locks(alias
                 with distlocks.lock(f"{name}-{i}", using=alias) as held:
                     tokens.append(held.token)
             assert tokens == sorted(set(tokens))  # every one taken, tokens growing
-            assert [info.name for info in locks[alias].held()] == [locks[alias].make_key(f"{name}-held")]
+            assert [info.key for info in locks[alias].held()] == [locks[alias].make_key(f"{name}-held")]
             # A lock taken while the table was full is held by no other session: the failed statement's lock was freed.
             assert all(free_elsewhere(f"{name}-{i}", alias) for i in range(12))
     finally:

@@ -421,7 +421,7 @@ class DatabaseBackend(BaseLockBackend):
     def _info(self, row: Lock | ReadWriteHold) -> LockInfo:
         return LockInfo(
             alias=self.alias,
-            name=row.lock_name,
+            key=row.lock_name,
             owner=row.owner,
             hold_count=row.hold_count,
             token=row.pk,

@@ -357,7 +357,7 @@ class NativeLockBackend(BaseLockBackend):
         return [
             LockInfo(
                 alias=self.alias,
-                name=row[0],
+                key=row[0],
                 owner=f"{row[1]}:{row[2]}:{row[3]}",
                 hold_count=int(row[4]),
                 token=int(row[5]),

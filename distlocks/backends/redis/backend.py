@@ -282,7 +282,7 @@ class RedisBackend(BaseLockBackend):
                 acquired, _, owner = info.partition(" ")
                 yield LockInfo(
                     alias=self.alias,
-                    name=key_of(rw_hash[: -len(":rw")]),
+                    key=key_of(rw_hash[: -len(":rw")]),
                     owner=owner,
                     hold_count=count,
                     token=token,
@@ -321,7 +321,7 @@ class RedisBackend(BaseLockBackend):
         acquired, _, owner = fields.get("info", "").partition(" ")
         return LockInfo(
             alias=self.alias,
-            name=key_of(name),
+            key=key_of(name),
             owner=owner,
             hold_count=int(fields.get("count", 0)),
             token=int(fields["token"]) if "token" in fields else None,

@@ -424,7 +424,7 @@ class ZooKeeperBackend(BaseLockBackend):
         holder, _, count = data.decode(errors="replace").rpartition("|")
         return LockInfo(
             alias=self.alias,
-            name=unescape(escaped),
+            key=unescape(escaped),
             owner=holder,
             hold_count=int(count) if count.isdigit() else 1,
             token=int(stat.czxid),
