@@ -9,6 +9,8 @@ import pytest
 import distlocks
 from distlocks.semaphore import _agreed
 from tests.conftest import DB
+from tests.faults.conftest import behind_proxy
+from tests.test_lock import in_thread
 
 pytestmark = DB
 
@@ -34,3 +36,21 @@ def test_every_user_of_the_same_count_renews_the_permits_record_and_warns_of_not
     assert "SECRET_KEY" not in caplog.text
     with pytest.raises(ValueError, match="permits is 3, but"):
         distlocks.semaphore(name, 3, using=alias, wait=0).acquire()
+
+
+@pytest.mark.parametrize("alias", ["mariadb", "postgresql"], indirect=True)
+@pytest.mark.parametrize("mode", ["read", "write"])
+def test_a_side_whose_release_never_reached_the_server_can_be_taken_again_at_once(alias, leave_nothing, name, mode):
+    with behind_proxy(alias) as proxy:
+        rw = distlocks.read_write_lock(name, using="proxied", ttl=30)
+        side = rw.read() if mode == "read" else rw.write()
+        assert side.acquire(wait=0)
+        token = side.token
+        proxy.stall()  # the release goes nowhere: the server keeps the hold, live for 30 s
+        with pytest.raises(distlocks.BackendUnavailable):
+            side.release()
+        # The same thread asks again, on a new connection: its own leftover neither breaks nor blocks it.
+        assert side.acquire(wait=0)
+        assert side.token > token
+        side.release()
+        assert in_thread(lambda: distlocks.read_write_lock(name, using="proxied").write().acquire(wait=0))
