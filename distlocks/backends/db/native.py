@@ -209,6 +209,13 @@ class NativeLockBackend(BaseLockBackend):
                 # transactional): the closed session has freed it.
                 raise Deadlocked(str(self._unavailable(exc)), alias=self.alias) from exc
             raise self._unavailable(exc) from exc
+        except BaseException:
+            # Interrupted (a signal handler raised: Celery's soft time limit, an
+            # alarm): the statement may have taken the server's lock for a session
+            # nothing tracks any more. Ending the session frees it.
+            with contextlib.suppress(Exception):
+                connection.close()
+            raise
 
     def _on_any(self, statement: Callable[[Any], T]) -> T:
         """Run ``statement`` on an idle connection of this thread's."""
@@ -231,7 +238,7 @@ class NativeLockBackend(BaseLockBackend):
         except Deadlocked:
             self._put(connection)  # closed: it connects again when next used
             return None  # not acquired: the core tries again
-        except BackendUnavailable:
+        except BaseException:
             self._put(connection)  # closed: it connects again when next used
             raise
         if token is None:
@@ -276,8 +283,8 @@ class NativeLockBackend(BaseLockBackend):
         connection = self._connection()
         try:
             won = self._block(connection, key, max(seconds, 0.001))
-        except BackendUnavailable:
-            self._put(connection)
+        except BaseException:
+            self._put(connection)  # closed
             raise
         if won:
             self._won[key] = connection

@@ -123,7 +123,7 @@ class ZooKeeperBackend(BaseLockBackend):
                 include_data=True,
             )
             return str(path), int(stat.czxid)
-        except BackendUnavailable:
+        except BaseException:  # unavailable, or interrupted (a signal handler raised) while it waited
             self._session().orphan(f"{self._parent(key)}/{mark}")
             raise
 
