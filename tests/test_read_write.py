@@ -11,6 +11,7 @@ import pytest
 
 import distlocks
 from distlocks.inspection import clear_expired, force_release, held_locks
+from distlocks.owner import current_owner
 
 from .conftest import DB
 from .test_lock import in_thread
@@ -435,3 +436,33 @@ def test_a_sigkilled_queued_writer_does_not_block_the_queue(alias, leave_nothing
         assert float(answer[2]) < 10
         holder.release()
     until(lambda: client.zcard(queue) == 0)
+
+
+@pytest.mark.parametrize("alias", ["redis"], indirect=True)
+def test_a_side_handed_to_a_waiter_its_process_forgot_is_given_back(alias, leave_nothing, name):
+    client, queue = rw_queue(name)
+    holder = side(alias, name, "write")
+    assert holder.acquire(wait=0)
+
+    def forgotten_reader():
+        backend = distlocks.handler.locks[alias]
+        key = backend.make_key(f"rw:{name}")
+        backend.rw_wait(key, "read", 0, 1.0)  # subscribes the process's channel
+        assert backend.rw_acquire(key, current_owner(), 30.0, "read") is None  # queued
+        # As if Redis had been unreachable when it gave up: it is still queued.
+        slot = backend._rw_keys(key)[0]
+        backend._releases().discharge(backend._waiting.pop(slot))
+
+    thread = threading.Thread(target=forgotten_reader)
+    thread.start()
+    thread.join(10)
+    assert client.zcard(queue) == 1
+    result = []
+    writer = threading.Thread(target=lambda: result.append(side(alias, name, "write").acquire(wait=20)))
+    writer.start()
+    until(lambda: client.zcard(queue) == 2)
+    released = time.monotonic()
+    holder.release()  # hands the read side to the forgotten reader; its process gives it back, to the writer
+    writer.join(20)
+    assert result == [True]
+    assert time.monotonic() - released < 5
