@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -82,6 +83,21 @@ class _Hold:
 # by closing its connection.
 _holding: dict[tuple[str, str, str], _Hold] = {}
 _holding_lock = threading.Lock()
+
+
+# Each lock connection's cursor, kept for as long as its session lasts: a new
+# cursor per statement cost the client about as much as the statement itself.
+_cursors: weakref.WeakKeyDictionary[BaseDatabaseWrapper, tuple[Any, Any]] = weakref.WeakKeyDictionary()
+
+
+def _cursor(connection: BaseDatabaseWrapper) -> Any:
+    """The cursor of ``connection``'s session (connecting if it has none)."""
+    kept = _cursors.get(connection)
+    if kept is not None and connection.connection is not None and kept[0] is connection.connection:
+        return kept[1]
+    cursor = connection.cursor()
+    _cursors[connection] = (connection.connection, cursor)
+    return cursor
 
 
 def _forget_after_fork() -> None:
@@ -197,8 +213,7 @@ class NativeLockBackend(BaseLockBackend):
         """Run ``statement(cursor)``; any error closes the connection and raises BackendUnavailable,
         except that the wait of a statement that ``waits`` for the server's lock running out raises TimedOut."""
         try:
-            with connection.cursor() as cursor:
-                return statement(cursor)
+            return statement(_cursor(connection))
         except DatabaseError as exc:
             if waits and self.timed_out(exc):
                 raise TimedOut from exc
