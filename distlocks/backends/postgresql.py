@@ -11,6 +11,17 @@ Needs PostgreSQL 14 or newer (``pg_terminate_backend`` with a timeout), a
 session of its own per hold (never PgBouncer in transaction or statement
 pooling mode: the lock would stay with a server connection that other clients
 then use), and the right to end the role's own sessions (any role has it).
+
+The tokens come from the logged sequence ``distlocks_native_token``, one
+``nextval`` per acquisition, committed with ``synchronous_commit`` as
+configured: the sequence writes WAL once every 32 values and that commit waits
+for the flush, so after a crash it restarts past every value it handed out
+(unless the statement that wrote the record failed, and the server crashed
+before its WAL writer flushed it, within a second: not tested).
+Neither shortcut keeps that: a sequence ``CACHE`` gives each session a block
+of its own (a token smaller than one already handed out in another session),
+and an asynchronous commit may lose the sequence's last WAL record in a crash,
+handing the same values out again.
 """
 
 from __future__ import annotations
