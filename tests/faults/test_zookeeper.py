@@ -376,7 +376,7 @@ def test_names_dot_dotdot_and_slash_are_distinct_working_locks_listed_as_given()
         assert set(names) <= listed
         out = StringIO()
         call_command("distlocks_list", "--using", "zookeeper", "--json", stdout=out)
-        assert set(names) <= {row["name"] for row in json.loads(out.getvalue())}
+        assert set(names) <= {row["key"] for row in json.loads(out.getvalue())}
         # Each is its own lock: another thread finds each taken.
         taken = []
 
