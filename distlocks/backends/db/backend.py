@@ -272,7 +272,9 @@ class DatabaseBackend(BaseLockBackend):
     def _listen(self, key: str) -> Any | None:
         """On PostgreSQL, LISTEN for the releases of ``key`` on our connection (again if it was replaced).
 
-        Return the psycopg connection that listens, or None where waiters only poll.
+        Return the psycopg connection that listens, or None to poll: where
+        waiters only poll, or this time, if the connection failed (the look
+        that follows opens another, or tells that the server is unavailable).
         """
         connection = connections[self._connection_alias]
         if not can_listen(connection):
@@ -283,9 +285,12 @@ class DatabaseBackend(BaseLockBackend):
         probe = functools.partial(
             open_like, base, f"{self._connection_alias}:probe", self.connect_timeout, self.timeout
         )
-        if not self._run(lambda connection: own_session(connection, self.database, probe)):
+        try:
+            if not self._run(lambda connection: own_session(connection, self.database, probe)):
+                return None
+            self._run(lambda connection: execute(connection, f'LISTEN "{channel(key)}"', []))
+        except BackendUnavailable:
             return None
-        self._run(lambda connection: execute(connection, f'LISTEN "{channel(key)}"', []))
         listening = self._listening[key] = connections[self._connection_alias].connection
         return listening
 
