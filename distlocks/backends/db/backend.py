@@ -229,6 +229,8 @@ class DatabaseBackend(BaseLockBackend):
         InnoDB and PostgreSQL, WAL readers on SQLite), so waiters never get in
         the holder's way. The first in the queue polls most often, as it is the
         one to take the lock next; the place is renewed every third of its lease.
+        On PostgreSQL it waits for the release's notification between looks
+        instead (see ``notify``).
         """
         if self._using() != self._connection_alias:
             self._poll(key, remaining)  # SQLite inside the caller's transaction: nobody else can write anyway
