@@ -24,6 +24,7 @@ from distlocks.backends.db.connections import (
     close_if_dropped,
     connection_options,
     database_of,
+    execute,
     in_memory,
     is_busy,
     missing_database,
@@ -32,7 +33,7 @@ from distlocks.backends.db.connections import (
     tracked,
 )
 from distlocks.backends.db.notify import can_listen, channel, notified, own_session
-from distlocks.backends.db.statements import execute, sql_for
+from distlocks.backends.db.statements import sql_for
 from distlocks.exceptions import BackendUnavailable
 from distlocks.owner import Owner
 

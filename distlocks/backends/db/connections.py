@@ -210,3 +210,10 @@ def _wait_takes_timeout(connection_class: Any) -> bool:
 
 
 connection_created.connect(_bound_lock_waits, dispatch_uid="distlocks.backends.db.bound_lock_waits")
+
+
+def execute(connection: BaseDatabaseWrapper, sql: str, params: list[Any]) -> int:
+    """Run one statement; return the rows it changed."""
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        return int(cursor.rowcount)

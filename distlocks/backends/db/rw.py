@@ -13,7 +13,7 @@ from typing import Any
 from django.db import IntegrityError, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from distlocks.backends.db.statements import execute
+from distlocks.backends.db.connections import execute
 from distlocks.owner import Owner
 
 

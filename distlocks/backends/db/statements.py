@@ -8,6 +8,8 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.db.backends.base.base import BaseDatabaseWrapper
 
+from distlocks.backends.db.rw import ReadWriteStatements
+
 
 class Statements:
     """The lock statements in one database's SQL, built once per vendor.
@@ -18,7 +20,6 @@ class Statements:
     """
 
     def __init__(self, connection: BaseDatabaseWrapper) -> None:
-        from distlocks.backends.db.rw import ReadWriteStatements
         from distlocks.models import Lock, LockWaiter
 
         vendor = connection.vendor
@@ -96,10 +97,3 @@ def sql_for(connection: BaseDatabaseWrapper) -> Statements:
     if statements is None:
         statements = _statements[connection.vendor] = Statements(connection)
     return statements
-
-
-def execute(connection: BaseDatabaseWrapper, sql: str, params: list[Any]) -> int:
-    """Run one statement; return the rows it changed."""
-    with connection.cursor() as cursor:
-        cursor.execute(sql, params)
-        return int(cursor.rowcount)
