@@ -17,8 +17,9 @@ from demo_shop.shop.models import Stock
 from distlocks.aio import POOL_SIZE
 from distlocks.backends.redis.keys import lock_hash, lock_keys
 from distlocks.handler import locks
+from distlocks.models import LockWaiter
 
-from .conftest import DB, LEASE_ALIASES, PROCESS_ALIASES, ROOT, Holder, worker_env
+from .conftest import DB, DB_ALIASES, LEASE_ALIASES, PROCESS_ALIASES, ROOT, Holder, worker_env
 
 pytestmark = DB
 
@@ -369,12 +370,21 @@ def test_on_redis_a_waiting_task_is_queued_and_cancelling_it_takes_it_out_of_the
     run(main())
 
 
-@pytest.mark.parametrize("alias", ["redis"], indirect=True)
-def test_on_redis_tasks_and_threads_of_several_processes_are_served_in_the_order_they_queued(
-    alias, name, tmp_path, workers
-):
-    """Each waiter starts once the one before it is in the lock's queue; the release hands the lock on in that order."""
-    client, queue = redis_queue(name)
+def queued(alias, name):
+    """How many waiters are in the lock's queue: a ZSET on Redis, rows of the waiters' table on a database."""
+    if alias == "redis":
+        client, queue = redis_queue(name)
+        return client.zcard(queue)
+    return LockWaiter.objects.using(alias).filter(lock_name=locks[alias].make_key(name)).count()
+
+
+@pytest.mark.parametrize("alias", ["redis", *DB_ALIASES], indirect=True)
+def test_tasks_and_threads_of_several_processes_are_served_in_the_order_they_queued(alias, name, tmp_path, workers):
+    """Each waiter starts once the one before it is in the lock's queue; the release hands the lock on in that order.
+
+    On Redis the release hands it over; on a database, a waiter takes it only
+    if no live waiter queued before it (async tasks queue too, not only threads).
+    """
     log = tmp_path / "order"
     log.touch()
     here = []
@@ -403,13 +413,13 @@ def test_on_redis_tasks_and_threads_of_several_processes_are_served_in_the_order
     plan += [("async", "E", "worker"), ("async", "F", "here")]
     holder = Holder(name, alias)
     started = []
-    for queued, (kind, label, where) in enumerate(plan, 1):
+    for place, (kind, label, where) in enumerate(plan, 1):
         if where == "here":
             take_here(kind, label)
         else:
             started.append(workers("take_in_turn", alias, name, kind, label, log))
         deadline = time.monotonic() + 60
-        while client.zcard(queue) < queued:
+        while queued(alias, name) < place:
             assert time.monotonic() < deadline, f"{label} did not queue"
             time.sleep(0.01)
     assert holder.release() is None

@@ -18,7 +18,7 @@ from django.db.models import QuerySet
 from django.db.models.expressions import RawSQL
 from django.db.utils import InterfaceError
 
-from distlocks.backends.base import BaseLockBackend, LockInfo
+from distlocks.backends.base import AsyncTurn, BaseLockBackend, LockInfo
 from distlocks.backends.db import rw
 from distlocks.backends.db.connections import (
     close_if_dropped,
@@ -77,6 +77,47 @@ class _Place:
 
 
 RAISE = _Raise()
+
+
+@dataclass
+class _Attempt:
+    """What an async waiter's attempt gives: the token (None: not acquired), and its place if still queued."""
+
+    token: int | None
+    place: _Place | None
+
+
+class _TableTurn(AsyncTurn):
+    """A task's wait for a lock in the table: a place in the lock's queue, as a waiting thread takes.
+
+    Its attempts run in whichever pool thread is free, so the place travels
+    with the turn; the wait between attempts is the core's backoff on the loop.
+    """
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.place: _Place | None = None
+        self.tried = False
+
+    def try_acquire(self, backend: BaseLockBackend, key: str, owner: Owner, ttl: float) -> int | None:
+        assert isinstance(backend, DatabaseBackend)
+        if not self.tried:  # the first attempt, as a thread's, is not queued: most find the lock free
+            self.tried = True
+            return backend.try_acquire(key, owner, ttl)
+        attempt = backend.try_acquire_in_turn(key, owner, ttl, self.place)
+        self.place = attempt.place
+        return attempt.token
+
+    def end(self, acquired: bool) -> Callable[[BaseLockBackend], None] | None:
+        place, key, self.place = self.place, self.key, None
+        if place is None:
+            return None
+
+        def leave(backend: BaseLockBackend) -> None:
+            assert isinstance(backend, DatabaseBackend)
+            backend.leave_queue(key, place)
+
+        return leave
 
 
 def _sleep(delay: float, deadline: float | None) -> bool:
@@ -334,6 +375,32 @@ class DatabaseBackend(BaseLockBackend):
         if place is not None or listening is not None:
             with contextlib.suppress(BackendUnavailable):
                 self._run(leave)
+
+    def async_turn(self, key: str) -> AsyncTurn:
+        return _TableTurn(key)
+
+    def try_acquire_in_turn(self, key: str, owner: Owner, ttl: float, place: _Place | None) -> _Attempt:
+        """An attempt of an async waiter whose ``place`` (None: not queued yet) travels with it between pool threads.
+
+        It queues as a waiting thread does at its first wait, so that threads
+        queued later do not pass it (nor it them); its place is renewed as theirs are.
+        """
+        if place is None:
+            place = self._enqueue(key)
+        else:
+            self._places[key] = place
+            if time.monotonic() - place.renewed > WAITER_LEASE / 3:
+                place = self._stay_queued(key, place)
+        try:
+            token = self.try_acquire(key, owner, ttl)
+        finally:
+            place = self._places.pop(key, None)  # None: the attempt left the queue
+        return _Attempt(token, place)
+
+    def leave_queue(self, key: str, place: _Place) -> None:
+        """Delete ``place`` from the lock's queue (an async waiter's, at its end)."""
+        self._places[key] = place
+        self.end_wait(key, False)
 
     def _poll(self, key: str, remaining: float | None) -> None:
         """Poll with a plain SELECT until the lock looks free, for at most ``remaining`` seconds."""
