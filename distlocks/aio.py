@@ -26,7 +26,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar, overload
 
 from distlocks.backends.base import AsyncTurn, check_wait
 from distlocks.exceptions import LockNotAcquired
@@ -106,12 +106,6 @@ def _current() -> _TaskState:
     return state
 
 
-def as_task(read: Callable[[], T]) -> T:
-    """Return ``read()`` as the calling task: what a lock's sync object says of the task's holds (no request)."""
-    with _current().acting():
-        return read()
-
-
 def in_pool(func: Callable[..., T], *args: Any) -> asyncio.Future[T]:
     """Run ``func(*args)`` in the pool, acting as the calling task."""
     return _submit(_current(), func, *args)
@@ -124,6 +118,8 @@ class AsyncLockAPI:
     """``async with`` for every kind of async lock, built on its ``acquire()`` and ``release()``."""
 
     wait: float | None
+    #: The sync lock of the kind, whose steps the pool runs as the task.
+    sync: Any
 
     async def acquire(self, wait: float | None = _DEFAULT) -> bool:
         raise NotImplementedError("subclasses of AsyncLockAPI must provide an acquire() method")
@@ -146,6 +142,29 @@ class AsyncLockAPI:
         tb: TracebackType | None,
     ) -> None:
         await self.release()
+
+
+class TaskView(Generic[T]):
+    """A read-only property of an async lock: its sync lock's of the same name, read as the calling task (no request)."""
+
+    def __init__(self, doc: str) -> None:
+        self.__doc__ = doc
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, objtype: type) -> TaskView[T]: ...
+
+    @overload
+    def __get__(self, obj: AsyncLockAPI, objtype: type | None = None) -> T: ...
+
+    def __get__(self, obj: AsyncLockAPI | None, objtype: type | None = None) -> T | TaskView[T]:
+        if obj is None:
+            return self
+        with _current().acting():
+            return getattr(obj.sync, self.name)
 
 
 class AsyncDistributedLock(AsyncLockAPI):
@@ -194,19 +213,12 @@ class AsyncDistributedLock(AsyncLockAPI):
         return self.lock._not_acquired(wait)
 
     @property
-    def token(self) -> int:
-        """The calling task's fencing token; raise LockNotOwned if it does not hold the lock."""
-        return as_task(lambda: self.lock.token)
+    def sync(self) -> DistributedLock:
+        return self.lock
 
-    @property
-    def hold_count(self) -> int:
-        """How many times the calling task holds the lock (0: not held)."""
-        return as_task(lambda: self.lock.hold_count)
-
-    @property
-    def lost(self) -> bool:
-        """True if the calling task held the lock and its lease was lost."""
-        return as_task(lambda: self.lock.lost)
+    token = TaskView[int]("The calling task's fencing token; raise LockNotOwned if it does not hold the lock.")
+    hold_count = TaskView[int]("How many times the calling task holds the lock (0: not held).")
+    lost = TaskView[bool]("True if the calling task held the lock and its lease was lost.")
 
     async def acquire(self, wait: float | None = _DEFAULT) -> bool:
         """Acquire the lock, waiting at most ``wait`` seconds on the event loop; return True if acquired.

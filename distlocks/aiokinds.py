@@ -13,7 +13,7 @@ import contextlib
 import time
 from collections.abc import Callable
 
-from distlocks.aio import AsyncDistributedLock, AsyncLockAPI, as_task, attempt_or_undo, finish, in_pool
+from distlocks.aio import AsyncDistributedLock, AsyncLockAPI, TaskView, attempt_or_undo, finish, in_pool
 from distlocks.backends.base import AsyncTurn, BaseLockBackend, check_wait
 from distlocks.exceptions import BackendUnavailable, LockNotAcquired
 from distlocks.handler import DEFAULT_ALIAS
@@ -45,35 +45,20 @@ class AsyncSemaphore(AsyncLockAPI):
         wait: float | None = None,
         renew: bool = True,
     ) -> None:
-        self.semaphore = Semaphore(name, permits, using=using, ttl=ttl, wait=wait, renew=renew)
-        self.name, self.permits, self.alias, self.wait = name, permits, using, self.semaphore.wait
-        self.queue = AsyncDistributedLock.of(self.semaphore.queue)
+        self.sync = Semaphore(name, permits, using=using, ttl=ttl, wait=wait, renew=renew)
+        self.name, self.permits, self.alias, self.wait = name, permits, using, self.sync.wait
+        self.queue = AsyncDistributedLock.of(self.sync.queue)
 
     def __repr__(self) -> str:
         return f"<AsyncSemaphore {self.name!r} permits={self.permits} using={self.alias!r} wait={self.wait}>"
 
     def _not_acquired(self, wait: float | None) -> LockNotAcquired:
-        return self.semaphore._not_acquired(wait)
+        return self.sync._not_acquired(wait)
 
-    @property
-    def slot(self) -> int:
-        """Which permit the calling task holds; raise LockNotOwned if none."""
-        return as_task(lambda: self.semaphore.slot)
-
-    @property
-    def token(self) -> int:
-        """The fencing token of the calling task's permit; raise LockNotOwned if it holds none."""
-        return as_task(lambda: self.semaphore.token)
-
-    @property
-    def hold_count(self) -> int:
-        """How many times the calling task holds its permit (0: none)."""
-        return as_task(lambda: self.semaphore.hold_count)
-
-    @property
-    def lost(self) -> bool:
-        """True if the calling task's permit was lost."""
-        return as_task(lambda: self.semaphore.lost)
+    slot = TaskView[int]("Which permit the calling task holds; raise LockNotOwned if none.")
+    token = TaskView[int]("The fencing token of the calling task's permit; raise LockNotOwned if it holds none.")
+    hold_count = TaskView[int]("How many times the calling task holds its permit (0: none).")
+    lost = TaskView[bool]("True if the calling task's permit was lost.")
 
     async def acquire(self, wait: float | None = _DEFAULT) -> bool:
         """Take a permit, waiting at most ``wait`` seconds on the loop; return True if one was taken.
@@ -81,7 +66,7 @@ class AsyncSemaphore(AsyncLockAPI):
         As ``Semaphore.acquire``: the first in the semaphore's queue waits on
         each permit in turn. A cancelled task leaves no permit and no place in the queue.
         """
-        sem = self.semaphore
+        sem = self.sync
         wait = sem.wait if wait is _DEFAULT else check_wait(wait)
         deadline = None if wait is None else time.monotonic() + wait
         order = await attempt_or_undo(in_pool(sem._try_first, wait), sem.release)
@@ -103,7 +88,7 @@ class AsyncSemaphore(AsyncLockAPI):
 
     async def release(self) -> None:
         """Release one hold of the calling task's permit (see ``Semaphore.release``)."""
-        await finish(in_pool(self.semaphore.release))
+        await finish(in_pool(self.sync.release))
 
 
 class AsyncMultiLock(AsyncLockAPI):
@@ -118,35 +103,22 @@ class AsyncMultiLock(AsyncLockAPI):
         wait: float | None = None,
         renew: bool = True,
     ) -> None:
-        self.multi = MultiLock(names, using=using, ttl=ttl, wait=wait, renew=renew)
-        self.names, self.alias, self.wait = self.multi.names, using, self.multi.wait
-        self.members = [AsyncDistributedLock.of(lk) for lk in self.multi.locks]
+        self.sync = MultiLock(names, using=using, ttl=ttl, wait=wait, renew=renew)
+        self.names, self.alias, self.wait = self.sync.names, using, self.sync.wait
+        self.members = [AsyncDistributedLock.of(lk) for lk in self.sync.locks]
 
     def __repr__(self) -> str:
         return f"<AsyncMultiLock {list(self.names)!r} using={self.alias!r} wait={self.wait}>"
 
     def _not_acquired(self, wait: float | None) -> LockNotAcquired:
-        return self.multi._not_acquired(wait)
+        return self.sync._not_acquired(wait)
 
-    @property
-    def tokens(self) -> dict[str, int]:
-        """Each member's fencing token, by name; raise LockNotOwned if the task does not hold the set."""
-        return as_task(lambda: self.multi.tokens)
-
-    @property
-    def token(self) -> tuple[int, ...]:
-        """The members' fencing tokens in ``names`` order (sorted)."""
-        return as_task(lambda: self.multi.token)
-
-    @property
-    def hold_count(self) -> int:
-        """How many times the calling task holds the whole set (0: not held)."""
-        return as_task(lambda: self.multi.hold_count)
-
-    @property
-    def lost(self) -> bool:
-        """True if the calling task holds the set and any member's lease was lost."""
-        return as_task(lambda: self.multi.lost)
+    tokens = TaskView[dict[str, int]](
+        "Each member's fencing token, by name; LockNotOwned if the task does not hold the set."
+    )
+    token = TaskView[tuple[int, ...]]("The members' fencing tokens in ``names`` order (sorted).")
+    hold_count = TaskView[int]("How many times the calling task holds the whole set (0: not held).")
+    lost = TaskView[bool]("True if the calling task holds the set and any member's lease was lost.")
 
     async def acquire(self, wait: float | None = _DEFAULT) -> bool:
         """Take every member in sorted order within ``wait`` seconds in all, on the loop; return True if all were taken.
@@ -165,14 +137,14 @@ class AsyncMultiLock(AsyncLockAPI):
                 return True
         except BaseException:
             with contextlib.suppress(Exception):
-                await finish(in_pool(self.multi._release_all, taken))
+                await finish(in_pool(self.sync._release_all, taken))
             raise
-        await finish(in_pool(self.multi._release_all, taken))
+        await finish(in_pool(self.sync._release_all, taken))
         return False
 
     async def release(self) -> None:
         """Release one hold of every member, the last taken first (see ``MultiLock.release``)."""
-        await finish(in_pool(self.multi.release))
+        await finish(in_pool(self.sync.release))
 
 
 class AsyncReadWriteLock:
@@ -252,38 +224,7 @@ class SideTurn(AsyncTurn):
         return abandon
 
 
-def asemaphore(
-    name: str,
-    permits: int,
-    *,
-    using: str = DEFAULT_ALIAS,
-    ttl: float | None = None,
-    wait: float | None = None,
-    renew: bool = True,
-) -> AsyncSemaphore:
-    """Return an asyncio semaphore of ``permits`` on ``name`` (see AsyncSemaphore)."""
-    return AsyncSemaphore(name, permits, using=using, ttl=ttl, wait=wait, renew=renew)
-
-
-def amulti_lock(
-    names: list[str] | tuple[str, ...],
-    *,
-    using: str = DEFAULT_ALIAS,
-    ttl: float | None = None,
-    wait: float | None = None,
-    renew: bool = True,
-) -> AsyncMultiLock:
-    """Return an asyncio lock on all of ``names`` together (see AsyncMultiLock)."""
-    return AsyncMultiLock(names, using=using, ttl=ttl, wait=wait, renew=renew)
-
-
-def aread_write_lock(
-    name: str,
-    *,
-    using: str = DEFAULT_ALIAS,
-    ttl: float | None = None,
-    wait: float | None = None,
-    renew: bool = True,
-) -> AsyncReadWriteLock:
-    """Return an asyncio read-write lock on ``name`` (see AsyncReadWriteLock)."""
-    return AsyncReadWriteLock(name, using=using, ttl=ttl, wait=wait, renew=renew)
+# The kinds' async forms are made as the sync ones are: ``asemaphore(name, permits, ...)`` and so on.
+asemaphore = AsyncSemaphore
+amulti_lock = AsyncMultiLock
+aread_write_lock = AsyncReadWriteLock
