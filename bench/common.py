@@ -8,18 +8,24 @@ import os
 import statistics
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 WARM_UP = 0.5  # seconds of untimed contended cycles before the timed ones
 
 
 def arguments(
-    doc: str | None, worker_args: int, cycles: int = 300, rounds: int = 5, contended_rounds: int | None = None
+    doc: str | None,
+    worker_args: int,
+    cycles: int = 300,
+    rounds: int = 5,
+    contended_rounds: int | None = None,
+    databases: Sequence[str] = (),
 ) -> argparse.Namespace:
     """Parse the common options; ``--worker`` (hidden) takes ``worker_args`` values.
 
-    ``--contended-rounds`` is offered only to a script that gives it a default.
+    ``--contended-rounds`` is offered only to a script that gives it a default,
+    ``--databases`` only to one that names the databases it measures on.
     """
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cycles", type=int, default=cycles, help="acquire+release cycles per round")
@@ -28,6 +34,10 @@ def arguments(
     if contended_rounds is not None:
         parser.add_argument(
             "--contended-rounds", type=int, default=contended_rounds, help="contended runs per contender"
+        )
+    if databases:
+        parser.add_argument(
+            "--databases", nargs="+", choices=databases, default=list(databases), help="the databases to measure on"
         )
     parser.add_argument("--url", default="redis://127.0.0.1:6379/15", help="the Redis to measure on (Redis only)")
     parser.add_argument(

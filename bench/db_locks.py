@@ -1,6 +1,6 @@
 """Benchmark the database backend against django-db-mutex and each server's own lock.
 
-    .venv/bin/python bench/db_locks.py [--cycles 300] [--rounds 5] [--seconds 5]
+    .venv/bin/python bench/db_locks.py [--cycles 300] [--rounds 5] [--seconds 5] [--databases postgresql ...]
 
 Side by side in one run, on SQLite, MariaDB and PostgreSQL:
 - uncontended: the latency of one acquire + release (median and p90 of every
@@ -177,9 +177,9 @@ def contended(impl: str, alias: str, seconds: float, tmp: Path) -> dict[str, flo
     }
 
 
-def prepare() -> None:
+def prepare(databases: list[str]) -> None:
     """Create the benchmark's databases afresh: one left by other code may hold another migration history."""
-    for alias in DATABASES:
+    for alias in databases:
         connection = connections[alias]
         if connection.vendor == "sqlite":
             connection.close()
@@ -195,7 +195,7 @@ def prepare() -> None:
 
 
 def main() -> None:
-    args = arguments(__doc__, 5)
+    args = arguments(__doc__, 5, databases=DATABASES)
     if args.worker:
         impl, alias, name, seconds, counter = args.worker
         worker(impl, alias, name, float(seconds), counter)
@@ -204,15 +204,16 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    prepare()
-    samples: dict[tuple[str, str], list[float]] = {(a, i): [] for a in DATABASES for i in IMPLS}
+    databases = [alias for alias in DATABASES if alias in args.databases]
+    prepare(databases)
+    samples: dict[tuple[str, str], list[float]] = {(a, i): [] for a in databases for i in IMPLS}
     for _ in range(args.rounds):
-        for alias in DATABASES:
+        for alias in databases:
             for impl in IMPLS:
                 samples[alias, impl] += uncontended(impl, alias, args.cycles)
     tmp = args.out
     tmp.mkdir(parents=True, exist_ok=True)
-    busy = {(a, i): contended(i, a, args.seconds, tmp) for a in DATABASES for i in IMPLS}
+    busy = {(a, i): contended(i, a, args.seconds, tmp) for a in databases for i in IMPLS}
 
     table = Table(
         title=f"Database locks: {args.rounds}x{args.cycles} uncontended cycles, {PROCESSES} processes x {args.seconds}s contended"
@@ -232,7 +233,7 @@ def main() -> None:
     ]:
         table.add_column(column, justify="left" if column in ("database", "lock") else "right")
     results = []
-    for alias in DATABASES:
+    for alias in databases:
         vendor = connections[alias].display_name
         floor = statistics.median(samples[alias, "floor"]) if samples[alias, "floor"] else None
         mutex = statistics.median(samples[alias, "django-db-mutex"])

@@ -98,20 +98,22 @@ def worker(impl: str, role: str, name: str, seconds: float, counter: str) -> Non
     give()
     start_together(Path(counter), READERS + 1)
     done = 0
+    worst = 0.0
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         started = time.monotonic()
         take()
+        worst = max(worst, time.monotonic() - started)
         time.sleep(hold)
         give()
         done += 1
         if role == "writer":
             time.sleep(max(0.0, WRITE_EVERY - (time.monotonic() - started)))
-    print(json.dumps({"role": role, "done": done}))
+    print(json.dumps({"role": role, "done": done, "worst": worst}))
 
 
 def run_once(impl: str, seconds: float, tmp: Path) -> dict[str, float]:
-    """One contended run of ``impl``: reads and writes per second."""
+    """One contended run of ``impl``: reads and writes per second, the worst wait of each (seconds)."""
     name = f"bench-{uuid.uuid4().hex}"
     counter = tmp / f"start-{uuid.uuid4().hex}"
     roles = ["reader"] * READERS + ["writer"]
@@ -126,7 +128,12 @@ def run_once(impl: str, seconds: float, tmp: Path) -> dict[str, float]:
     reports = [json.loads(p.communicate(timeout=seconds * 10 + 60)[0].splitlines()[-1]) for p in processes]
     reads = sum(r["done"] for r in reports if r["role"] == "reader")
     writes = sum(r["done"] for r in reports if r["role"] == "writer")
-    return {"reads_per_second": reads / seconds, "writes_per_second": writes / seconds}
+    return {
+        "reads_per_second": reads / seconds,
+        "writes_per_second": writes / seconds,
+        "worst_read": max(r["worst"] for r in reports if r["role"] == "reader"),
+        "worst_write": max(r["worst"] for r in reports if r["role"] == "writer"),
+    }
 
 
 def main() -> None:
@@ -158,7 +165,7 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
         f"{READERS} readers ({READ_HOLD * 1000:.0f} ms a read) and 1 writer ({WRITE_HOLD * 1000:.0f} ms every "
         f"{WRITE_EVERY * 1000:.0f} ms), {args.rounds} rounds x {args.seconds}s; medians over rounds"
     )
-    print(f" {'lock':<38}{'reads/s':>9}{'writes/s':>10}{'x mutex':>9}")
+    print(f" {'lock':<38}{'reads/s':>9}{'writes/s':>10}{'x mutex':>9}{'worst read ms':>15}{'worst write ms':>16}")
     results: list[dict[str, Any]] = []
     for impl in IMPLS:
         mutex = IMPLS[impl][0] == "bench_redis" and "Redis: mutex" or "ZooKeeper: mutex"
@@ -168,8 +175,19 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
             mine["reads_per_second"] / theirs["reads_per_second"]
             for mine, theirs in zip(measured[impl], measured[mutex], strict=True)
         )
-        results.append({"lock": impl, "reads_per_second": reads, "writes_per_second": writes, "x_mutex": ratio})
-        print(f" {impl:<38}{reads:>9.0f}{writes:>10.1f}{ratio:>9.2f}")
+        worst_read = statistics.median(r["worst_read"] for r in measured[impl]) * 1000
+        worst_write = statistics.median(r["worst_write"] for r in measured[impl]) * 1000
+        results.append(
+            {
+                "lock": impl,
+                "reads_per_second": reads,
+                "writes_per_second": writes,
+                "x_mutex": ratio,
+                "worst_read_ms": worst_read,
+                "worst_write_ms": worst_write,
+            }
+        )
+        print(f" {impl:<38}{reads:>9.0f}{writes:>10.1f}{ratio:>9.2f}{worst_read:>15.0f}{worst_write:>16.0f}")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "rw_locks.json").write_text(json.dumps(results, indent=2))
 

@@ -69,7 +69,7 @@ class HeldLockRow:
     @property
     def value(self) -> str:
         """The row's checkbox value: which lock, which acquisition of it (its token), and its kind."""
-        return json.dumps([self.info.alias, self.info.name, self.info.token, self.info.kind])
+        return json.dumps([self.info.alias, self.info.key, self.info.token, self.info.kind])
 
     @property
     def kind_label(self) -> str:
@@ -82,7 +82,7 @@ class HeldLockRow:
 
     @property
     def label(self) -> str:
-        return f"{self.info.alias}: {self.info.name}"
+        return f"{self.info.alias}: {self.info.key}"
 
 
 Choice = tuple[str, str, int | None, str]
@@ -181,7 +181,7 @@ class LockAdmin(admin.ModelAdmin):
             found = [info for info in found if info.kind == chosen_kind]
         if query:
             needle = query.casefold()
-            found = [info for info in found if needle in info.name.casefold() or needle in info.owner.casefold()]
+            found = [info for info in found if needle in info.key.casefold() or needle in info.owner.casefold()]
         now = datetime.now(timezone.utc)
         rows = [HeldLockRow(info, info.lease_left(now)) for info in found]
 
@@ -295,7 +295,7 @@ class LockAdmin(admin.ModelAdmin):
                 same = [
                     info
                     for info in current[alias]
-                    if info.name == name and (info.kind if info.kind in READ_WRITE else None) == rw_side
+                    if info.key == name and (info.kind if info.kind in READ_WRITE else None) == rw_side
                 ]
                 info = next((info for info in same if info.token == token), same[0] if same else None)
                 released = info is not None and force_release(alias, name, token, kind=kind)
@@ -331,7 +331,7 @@ class LockAdmin(admin.ModelAdmin):
         """Write the force-release of ``info`` to the admin log, under the ``Lock`` content type."""
         # An unsaved Lock carries the content type and the repr; object_id stays empty,
         # since the lock may live in Redis or ZooKeeper and is gone anyway.
-        lock = Lock(lock_name=f"{info.alias}: {info.name}")
+        lock = Lock(lock_name=f"{info.alias}: {info.key}")
         message = f"Force-released (held by {info.owner or '?'}, hold count {info.hold_count}, token {info.token})."
         if info.kind in READ_WRITE:
             message = f"Force-released the {info.kind} side's holder (held by {info.owner or '?'}, token {info.token})."

@@ -8,13 +8,17 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from distlocks.backends.base import BaseLockBackend
 from distlocks.owner import Owner
 
-if TYPE_CHECKING:
-    from distlocks.lock import DistributedLock
+
+class LockKind(Protocol):
+    """A kind of lock (``DistributedLock`` or a subclass): the sender of its signals, and what it calls on a backend."""
+
+    @classmethod
+    def primitives(cls, backend: BaseLockBackend) -> BaseLockBackend: ...
 
 
 class Holder(Protocol):
@@ -36,7 +40,7 @@ def current_holder() -> Holder:
 class Hold:
     """One thread's hold on one lock: shared by every lock object for that name."""
 
-    lock_class: type[DistributedLock]
+    lock_class: type[LockKind]
     backend: BaseLockBackend  # the instance it was taken with (see backend_here)
     alias: str
     name: str

@@ -24,7 +24,7 @@ def kind_of(info: LockInfo) -> str:
     if info.kind != "lock":
         return info.kind
     task = task_id_of(info.owner) or ""
-    if task.startswith("permits=") or _SEMAPHORE.search(info.name):
+    if task.startswith("permits=") or _SEMAPHORE.search(info.key):
         return "semaphore"
     if task.startswith("multi="):
         return "multi"
@@ -54,12 +54,12 @@ def held_locks(using: Iterable[str] | None = None) -> HeldLocks:
             result.errors[alias] = "this backend cannot list its locks"
         except LockError as exc:
             result.errors[alias] = str(exc)
-    result.locks.sort(key=lambda info: (info.alias, info.name))
+    result.locks.sort(key=lambda info: (info.alias, info.key))
     return result
 
 
 def force_release(alias: str, key: str, token: int | None = None, kind: str = "lock") -> bool:
-    """Free the lock stored as ``key`` (a ``LockInfo.name``) whoever holds it; False if it was not held.
+    """Free the lock stored as ``key`` (a ``LockInfo.key``) whoever holds it; False if it was not held.
 
     With ``token``, only that acquisition of it: the server compares and frees
     in one step, so a lock that changed hands since it was shown stays held.

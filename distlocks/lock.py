@@ -173,6 +173,12 @@ class DistributedLock(LockAPI):
             raise ValueError(self._message("lives with its process's session: it cannot be taken detached"))
         return self._backend.try_acquire(self.key, current_owner(), check_positive_number(lease, "lease"))
 
+    def extend_detached(self, lease: float) -> bool:
+        """Renew, for ``lease`` seconds, the current owner's lease that no thread holds; False if it is not the owner's."""
+        if self.session_bound:
+            raise ValueError(self._message("lives with its process's session: it cannot be held detached"))
+        return self._backend.extend(self.key, current_owner(), check_positive_number(lease, "lease"))
+
     def release_detached(self) -> bool:
         """Free the current owner's lease that no thread holds; False if it was not the owner's any more."""
         if self._hold() is not None:

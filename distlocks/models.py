@@ -1,4 +1,4 @@
-"""The Lock table of the database backend."""
+"""The tables of the database backends: locks, native leases, waiters, read-write holds."""
 
 from __future__ import annotations
 
@@ -26,7 +26,26 @@ class LockNameField(models.CharField):
         return params
 
 
-class Lock(models.Model):
+class Held(models.Model):
+    """Who holds a lock and since when: the columns every table of holds shares."""
+
+    owner_host = models.CharField(_("owner host"), max_length=255)
+    owner_pid = models.PositiveIntegerField(_("owner pid"))
+    owner_thread = models.CharField(_("owner thread"), max_length=255)
+    # Matched on release and renewal; never shown, never logged.
+    owner_secret = models.CharField(max_length=64, editable=False)
+    hold_count = models.PositiveIntegerField(_("hold count"), default=1)
+    acquired_at = models.DateTimeField(_("acquired at"))
+
+    class Meta:
+        abstract = True
+
+    @property
+    def owner(self) -> str:
+        return f"{self.owner_host}:{self.owner_pid}:{self.owner_thread}"
+
+
+class Lock(Held):
     """A lock held through ``distlocks.backends.db.DatabaseBackend``.
 
     The primary key is the fencing token: every acquisition inserts a new row, and
@@ -35,13 +54,6 @@ class Lock(models.Model):
 
     id = models.BigAutoField(primary_key=True, verbose_name=_("fencing token"))
     lock_name = LockNameField(_("lock name"), max_length=255, unique=True)
-    owner_host = models.CharField(_("owner host"), max_length=255)
-    owner_pid = models.PositiveIntegerField(_("owner pid"))
-    owner_thread = models.CharField(_("owner thread"), max_length=255)
-    # Matched on release and renewal; never shown, never logged.
-    owner_secret = models.CharField(max_length=64, editable=False)
-    hold_count = models.PositiveIntegerField(_("hold count"), default=1)
-    acquired_at = models.DateTimeField(_("acquired at"))
     expires_at = models.DateTimeField(_("expires at"), db_index=True)
 
     class Meta:
@@ -52,12 +64,8 @@ class Lock(models.Model):
     def __str__(self) -> str:
         return self.lock_name
 
-    @property
-    def owner(self) -> str:
-        return f"{self.owner_host}:{self.owner_pid}:{self.owner_thread}"
 
-
-class NativeLease(models.Model):
+class NativeLease(Held):
     """The lease and fencing token of a lock held through a native backend (``GET_LOCK``, advisory locks).
 
     The server's lock is the mutual exclusion; this row says who holds it, from
@@ -71,12 +79,6 @@ class NativeLease(models.Model):
     lock_key = models.CharField(_("server lock"), max_length=64)
     #: The holder's server session (CONNECTION_ID(), pg_backend_pid()).
     session = models.BigIntegerField(_("server session"))
-    owner_host = models.CharField(_("owner host"), max_length=255)
-    owner_pid = models.PositiveIntegerField(_("owner pid"))
-    owner_thread = models.CharField(_("owner thread"), max_length=255)
-    owner_secret = models.CharField(max_length=64, editable=False)
-    hold_count = models.PositiveIntegerField(_("hold count"), default=1)
-    acquired_at = models.DateTimeField(_("acquired at"))
     expires_at = models.DateTimeField(_("expires at"))
 
     class Meta:
@@ -111,7 +113,7 @@ class LockWaiter(models.Model):
         return self.lock_name
 
 
-class ReadWriteHold(models.Model):
+class ReadWriteHold(Held):
     """One hold of a read-write lock through ``DatabaseBackend``: a reader, the writer, or a waiting writer.
 
     Each holder's row is a lease of its own, and its id is its fencing token.
@@ -124,12 +126,6 @@ class ReadWriteHold(models.Model):
     lock_name = LockNameField(_("lock name"), max_length=255)
     #: "read", "write", "waiting" (a writer that waits, which new readers let pass) or "gate".
     mode = models.CharField(_("mode"), max_length=8)
-    owner_host = models.CharField(_("owner host"), max_length=255)
-    owner_pid = models.PositiveIntegerField(_("owner pid"))
-    owner_thread = models.CharField(_("owner thread"), max_length=255)
-    owner_secret = models.CharField(max_length=64, editable=False)
-    hold_count = models.PositiveIntegerField(_("hold count"), default=1)
-    acquired_at = models.DateTimeField(_("acquired at"))
     expires_at = models.DateTimeField(_("expires at"), db_index=True)
 
     class Meta:
@@ -142,7 +138,3 @@ class ReadWriteHold(models.Model):
 
     def __str__(self) -> str:
         return f"{self.lock_name} ({self.mode})"
-
-    @property
-    def owner(self) -> str:
-        return f"{self.owner_host}:{self.owner_pid}:{self.owner_thread}"

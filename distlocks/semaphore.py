@@ -220,10 +220,12 @@ class Semaphore(LockAPI):
             return
         secret = salted_hmac("distlocks.semaphore", "\0".join(map(str, agreed)), algorithm="sha256").hexdigest()
         owner = dataclasses.replace(current_owner(), secret=secret[:32], task=f"permits={self.permits}")
+        lease = max(MARKER_LEASE, 10 * self.ttl)
         for _ in range(3):
             with acting_as(owner):
-                taken = self.marker.take_detached(max(MARKER_LEASE, 10 * self.ttl))
-            if taken is not None:
+                # Taken, or held by this count's owner already (another process's, or ours a ttl ago): renewed.
+                kept = self.marker.take_detached(lease) is not None or self.marker.extend_detached(lease)
+            if kept:
                 _agreed[agreed] = time.monotonic() + self.ttl
                 return
             holder = self.marker.holder()

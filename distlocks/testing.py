@@ -93,9 +93,9 @@ def _lose_leftovers() -> None:
         backend = locks[alias]
         if isinstance(backend, locmem.LocMemBackend):
             for info in inspection.held_locks([alias]).locks:
-                name = info.name[len(backend.key_prefix) + 1 :] if backend.key_prefix else info.name
+                name = info.key[len(backend.key_prefix) + 1 :] if backend.key_prefix else info.key
                 with contextlib.suppress(AssertionError):  # a holder that ended meanwhile is told nothing
-                    _expire(backend, name, info.name, 1.0)
+                    _expire(backend, name, info.key, 1.0)
 
 
 def expire_lock(lock: DistributedLock | str, *, using: str = DEFAULT_ALIAS, timeout: float = 5.0) -> None:

@@ -155,8 +155,8 @@ def leave_nothing(alias, name):
     from distlocks.inspection import force_release, held_locks
 
     for info in held_locks([alias]).locks:
-        if name in info.name:
-            force_release(alias, info.name, kind=info.kind)
+        if name in info.key:
+            force_release(alias, info.key, kind=info.kind)
 
 
 @pytest.fixture

@@ -70,7 +70,7 @@ def release_post(client, alias, name, token, url=HELD_URL, kind="lock"):
 
 
 def listed(alias, name):
-    return any(info.name == name for info in held_locks([alias]).locks)
+    return any(info.key == name for info in held_locks([alias]).locks)
 
 
 # The database backend's Lock table.
@@ -315,7 +315,7 @@ def test_semaphore_permits_and_multi_lock_members_are_listed_and_force_released(
     try:
         out = StringIO()
         call_command("distlocks_list", "--using", alias, "--json", stdout=out)
-        shown = {row["name"]: row for row in json.loads(out.getvalue())}
+        shown = {row["key"]: row for row in json.loads(out.getvalue())}
         assert permit.endswith(f"sem:{name}#{slot}")
         assert shown[permit]["token"] == int(token)
         assert shown[permit]["owner"].endswith("task permits=1")
@@ -354,7 +354,7 @@ def test_read_write_holders_are_listed_by_kind_filtered_and_force_released_one_b
     with plain:
         out = StringIO()
         call_command("distlocks_list", "--using", alias, "--json", stdout=out)
-        shown = [(row["name"], row["kind"], row["token"]) for row in json.loads(out.getvalue()) if name in row["name"]]
+        shown = [(row["key"], row["kind"], row["token"]) for row in json.loads(out.getvalue()) if name in row["key"]]
         assert sorted(shown) == sorted(
             [(key, "read", tokens[0]), (key, "read", tokens[1]), (plain.key, "lock", plain.token)]
         )
@@ -369,7 +369,7 @@ def test_read_write_holders_are_listed_by_kind_filtered_and_force_released_one_b
 
         after = release_post(admin_client, alias, key, tokens[0], url=f"{HELD_URL}?alias={alias}", kind="read")
         assert f"Force-released “{alias}: {key} (read)”" in after.content.decode()
-        left = [info.token for info in held_locks([alias]).locks if info.name == key]
+        left = [info.token for info in held_locks([alias]).locks if info.key == key]
         assert left == [tokens[1]]  # the other reader still holds it
         assert workers("rw_take", alias, name, "write", 0).finish() == ["busy"]
         call_command("distlocks_release", key, "--using", alias, "--kind", "read", "--yes", stdout=StringIO())

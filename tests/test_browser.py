@@ -108,6 +108,6 @@ def test_force_release_in_a_real_browser(live_server, django_user_model, tmp_pat
             catalog.release()
             waiter.join(60)
         assert isinstance(lost, distlocks.LockLost)
-        assert not any(info.name == "stock:42" for info in held_locks(["redis"]).locks)
+        assert not any(info.key == "stock:42" for info in held_locks(["redis"]).locks)
     entry = LogEntry.objects.get()
     assert (entry.user.username, entry.object_repr) == ("admin", "redis: stock:42")

@@ -121,7 +121,7 @@ def assert_never_overlapped(log):
 
 def held(alias, name):
     key = locks[alias].make_key(name)
-    return next((info for info in locks[alias].held() if info.name == key), None)
+    return next((info for info in locks[alias].held() if info.key == key), None)
 
 
 def wait_until(condition, timeout=15.0):

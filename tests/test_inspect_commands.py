@@ -25,7 +25,7 @@ def run(command, *args):
 
 
 def listed(alias):
-    return {row["name"]: row for row in json.loads(run("distlocks_list", "--using", alias, "--json"))}
+    return {row["key"]: row for row in json.loads(run("distlocks_list", "--using", alias, "--json"))}
 
 
 @pytest.mark.parametrize("alias", PROCESS_ALIASES, indirect=True)

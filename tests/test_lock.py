@@ -38,7 +38,7 @@ def in_thread(func):
 
 def info(lk):
     """What the backend shows of the lock (as the admin does), or None if it is not held."""
-    return next((held for held in locks[lk.alias].held() if held.name == lk.key), None)
+    return next((held for held in locks[lk.alias].held() if held.key == lk.key), None)
 
 
 def token_in_thread(make_lock):

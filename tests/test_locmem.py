@@ -104,7 +104,7 @@ def test_aliases_have_stores_of_their_own_unless_they_name_the_same_location(nam
 def test_held_holder_list_release_and_cleanup(name):
     holder = Holder(name, "locmem", thread_name=f"holder-{name}", ttl=30)
     info = locks["locmem"].holder(name)
-    assert (info.alias, info.name, info.hold_count, info.token) == ("locmem", name, 1, holder.token)
+    assert (info.alias, info.key, info.hold_count, info.token) == ("locmem", name, 1, holder.token)
     assert info.owner.endswith(f":{os.getpid()}:holder-{name}/{holder.thread.ident}")
     assert 29 < info.lease_left() <= 30
     waiter, _ = wait_in_thread(name, 30, "locmem")
@@ -115,7 +115,7 @@ def test_held_holder_list_release_and_cleanup(name):
 
     out = StringIO()
     call_command("distlocks_list", "--using", "locmem", "--json", stdout=out)
-    row = next(row for row in json.loads(out.getvalue()) if row["name"] == name)
+    row = next(row for row in json.loads(out.getvalue()) if row["key"] == name)
     assert (row["token"], row["hold_count"], row["waiters"]) == (holder.token, 1, 1)
 
     out = StringIO()

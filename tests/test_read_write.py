@@ -11,6 +11,7 @@ import pytest
 
 import distlocks
 from distlocks.inspection import clear_expired, force_release, held_locks
+from distlocks.owner import current_owner
 
 from .conftest import DB
 from .test_lock import in_thread
@@ -132,12 +133,12 @@ def test_the_lock_api_on_both_sides(alias, leave_nothing, name):
             assert reading.hold_count == 2
         assert takes(alias, name, "read", 0)
         assert takes(alias, name, "write", 0.2) is False
-        shown = [info for info in held_locks([alias]).locks if info.name.endswith(f"rw:{name}")]
+        shown = [info for info in held_locks([alias]).locks if info.key.endswith(f"rw:{name}")]
         assert [(info.kind, info.token, info.hold_count) for info in shown] == [("read", reading.token, 1)]
     with writing:
         assert takes(alias, name, "read", 0.2) is False
         assert takes(alias, name, "write", 0) is False
-        shown = [info for info in held_locks([alias]).locks if info.name.endswith(f"rw:{name}")]
+        shown = [info for info in held_locks([alias]).locks if info.key.endswith(f"rw:{name}")]
         assert [(info.kind, info.token) for info in shown] == [("write", writing.token)]
     with pytest.raises(distlocks.LockNotOwned):
         writing.release()
@@ -356,3 +357,112 @@ def test_an_unreachable_server_gives_backend_unavailable_in_bounded_time(setting
         assert time.monotonic() - started < 15
         assert info.value.alias == "down"
         assert held.hold_count == 0
+
+
+# -- Redis: waiters in a queue, served in turn -------------------------------------------------
+
+
+def rw_queue(name):
+    """The Redis client and the key of the read-write lock ``name``'s waiters' queue."""
+    from distlocks.backends.redis.backend import RedisBackend
+
+    backend = distlocks.handler.locks["redis"]
+    return backend.client, RedisBackend._rw_keys(backend.make_key(f"rw:{name}"))[2]
+
+
+def until(condition, seconds=20.0):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("alias", ["redis"], indirect=True)
+def test_waiters_are_served_in_the_order_they_queued(alias, leave_nothing, name, workers, tmp_path):
+    log = tmp_path / "events"
+    client, queue = rw_queue(name)
+    holder = side(alias, name, "write")
+    assert holder.acquire(wait=0)
+    # Each waiter is a process of its own, started once the one before is in the queue.
+    order = [("W1", "write"), ("R1", "read"), ("R2", "read"), ("W2", "write"), ("R3", "read")]
+    waiting = []
+    for queued, (label, mode) in enumerate(order, 1):
+        waiting.append(workers("rw_turn", alias, name, mode, label, 0.3, log))
+        until(lambda queued=queued: client.zcard(queue) == queued)
+    holder.release()
+    assert [worker.finish() for worker in waiting] == [["done"]] * len(order)
+    spans = {}
+    for line in log.read_text().splitlines():
+        event, label, at = line.split()
+        spans.setdefault(label, {})[event] = float(at)
+    entered = sorted(spans, key=lambda label: spans[label]["enter"])
+    # The writer queued first goes first, alone; then the two readers queued together, together;
+    # then the second writer, and the reader that queued after it.
+    assert entered[0] == "W1"
+    assert set(entered[1:3]) == {"R1", "R2"}
+    assert entered[3:] == ["W2", "R3"]
+    assert spans["R1"]["enter"] < spans["R2"]["exit"]
+    assert spans["R2"]["enter"] < spans["R1"]["exit"]
+    assert spans["W1"]["exit"] <= min(spans["R1"]["enter"], spans["R2"]["enter"])
+    assert max(spans["R1"]["exit"], spans["R2"]["exit"]) <= spans["W2"]["enter"]
+    assert spans["W2"]["exit"] <= spans["R3"]["enter"]
+    assert client.zcard(queue) == 0
+
+
+@pytest.mark.parametrize("alias", ["redis"], indirect=True)
+@pytest.mark.parametrize("held", ["write", "read"])
+def test_a_sigkilled_queued_writer_does_not_block_the_queue(alias, leave_nothing, name, workers, held):
+    """A killed writer at the head is skipped by the release; while readers hold on, its entry runs out with its lease."""
+    client, queue = rw_queue(name)
+    holder = side(alias, name, held)
+    assert holder.acquire(wait=0)
+    dead = workers("rw_take", alias, name, "write", 60, 2)  # its lease: 2 s
+    until(lambda: client.zcard(queue) == 1)
+    dead.kill()
+    reader = workers("rw_take", alias, name, "read", 20)
+    if held == "write":
+        until(lambda: client.zcard(queue) == 2)
+        released = time.monotonic()
+        holder.release()
+        answer = reader.finish()
+        # Handed straight past the dead writer, not after its lease (or the reader's 20 s).
+        assert answer[0] == "acquired"
+        assert time.monotonic() - released < 5
+    else:
+        # The reader that holds on keeps the dead writer at the head: the new reader waits for
+        # the writer's entry to run out (2 s), not for the holder, which never lets go here.
+        answer = reader.finish()
+        assert answer[0] == "acquired"
+        assert float(answer[2]) < 10
+        holder.release()
+    until(lambda: client.zcard(queue) == 0)
+
+
+@pytest.mark.parametrize("alias", ["redis"], indirect=True)
+def test_a_side_handed_to_a_waiter_its_process_forgot_is_given_back(alias, leave_nothing, name):
+    client, queue = rw_queue(name)
+    holder = side(alias, name, "write")
+    assert holder.acquire(wait=0)
+
+    def forgotten_reader():
+        backend = distlocks.handler.locks[alias]
+        key = backend.make_key(f"rw:{name}")
+        backend.rw_wait(key, "read", 0, 1.0)  # subscribes the process's channel
+        assert backend.rw_acquire(key, current_owner(), 30.0, "read") is None  # queued
+        # As if Redis had been unreachable when it gave up: it is still queued.
+        slot = backend._rw_keys(key)[0]
+        backend._releases().discharge(backend._waiting.pop(slot))
+
+    thread = threading.Thread(target=forgotten_reader)
+    thread.start()
+    thread.join(10)
+    assert client.zcard(queue) == 1
+    result = []
+    writer = threading.Thread(target=lambda: result.append(side(alias, name, "write").acquire(wait=20)))
+    writer.start()
+    until(lambda: client.zcard(queue) == 2)
+    released = time.monotonic()
+    holder.release()  # hands the read side to the forgotten reader; its process gives it back, to the writer
+    writer.join(20)
+    assert result == [True]
+    assert time.monotonic() - released < 5

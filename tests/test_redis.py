@@ -447,7 +447,7 @@ def test_a_thread_that_waited_lately_queues_at_its_first_attempt(name):
 
 def test_inspection_shows_when_a_lock_was_taken_and_handed_over(name):
     def acquired_at():
-        (info,) = [i for i in locks["redis"].held() if i.name == locks["redis"].make_key(name)]
+        (info,) = [i for i in locks["redis"].held() if i.key == locks["redis"].make_key(name)]
         return info.acquired_at
 
     holder = distlocks.lock(name, using="redis")

@@ -84,7 +84,7 @@ def test_the_lock_api_and_readable_names(alias, leave_nothing, name):
         assert permit is sem
         with sem:  # reentrant: the same permit, held twice
             assert sem.hold_count == 2
-        shown = {info.name: info for info in held_locks([alias]).locks}
+        shown = {info.key: info for info in held_locks([alias]).locks}
         key = sem.slots[sem.slot].key
         assert key.endswith(f"sem:{name}#{sem.slot}")
         assert shown[key].token == permit.token

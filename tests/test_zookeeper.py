@@ -67,7 +67,7 @@ def test_waiters_get_the_lock_in_the_order_they_asked(name):
     holder = distlocks.lock(name, using="zookeeper")
     holder.acquire()
     threads, order = queue_waiters(name, "zookeeper", "ABCD", gap=0.2)
-    held = next(info for info in locks["zookeeper"].held() if info.name == holder.key)
+    held = next(info for info in locks["zookeeper"].held() if info.key == holder.key)
     assert held.waiters == 4
     holder.release()
     for thread in threads:
@@ -82,7 +82,7 @@ def test_a_failed_try_leaves_no_node_behind(name):
         thread.start()
         thread.join()
         assert result == [False]
-        held = next(info for info in locks["zookeeper"].held() if info.name == name)
+        held = next(info for info in locks["zookeeper"].held() if info.key == name)
         assert held.waiters == 0
 
 
@@ -95,7 +95,7 @@ def test_empty_lock_nodes_are_reaped_but_not_held_ones(name):
         assert backend.clear_expired(dry_run=True) >= 3
         assert backend.clear_expired() >= 3
         assert backend.clear_expired() == 0
-        names = {info.name for info in backend.held()}
+        names = {info.key for info in backend.held()}
         assert held.key in names
         token = held.token
     # A name whose node was reaped works again, with a larger token.

@@ -271,6 +271,17 @@ def rw_guarded(alias: str, name: str, mode: str, seconds: str, pause: str, log: 
     say("done", taken, timeouts)
 
 
+def rw_turn(alias: str, name: str, mode: str, label: str, hold: str, log: str) -> None:
+    """Wait for the ``mode`` side; holding it ``hold`` seconds, log "enter"/"exit" with ``label`` and the time."""
+    side = rw_side(alias, name, mode, wait=60)
+    with side, open(log, "a") as events:
+        events.write(f"enter {label} {time.monotonic():.6f}\n")
+        events.flush()
+        time.sleep(float(hold))
+        events.write(f"exit {label} {time.monotonic():.6f}\n")
+    say("done")
+
+
 def rw_hold(alias: str, name: str, mode: str, ttl: str) -> None:
     """Take the ``mode`` side and keep it until killed."""
     side = rw_side(alias, name, mode, ttl=float(ttl), wait=60)
@@ -284,9 +295,9 @@ def rw_hold_until_lost(alias: str, name: str, mode: str, ttl: str) -> None:
     until_lost(rw_side(alias, name, mode, ttl=float(ttl), wait=60))
 
 
-def rw_take(alias: str, name: str, mode: str, wait: str) -> None:
+def rw_take(alias: str, name: str, mode: str, wait: str, ttl: str = "30") -> None:
     """Try to take the ``mode`` side within ``wait`` seconds; report its token and how long it took, or "busy"."""
-    side = rw_side(alias, name, mode, ttl=30, wait=float(wait))
+    side = rw_side(alias, name, mode, ttl=float(ttl), wait=float(wait))
     started = time.monotonic()
     if not side.acquire():
         say("busy")
@@ -464,6 +475,7 @@ if __name__ == "__main__":
         "rw_hold": rw_hold,
         "rw_hold_until_lost": rw_hold_until_lost,
         "rw_take": rw_take,
+        "rw_turn": rw_turn,
         "take": take,
         "take_in_turn": take_in_turn,
         "take_when": take_when,

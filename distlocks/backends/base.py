@@ -41,7 +41,8 @@ class LockInfo:
     """A lock held right now, as the admin and ``distlocks_list`` show it."""
 
     alias: str
-    name: str
+    #: The key the server stores: the lock's name with the alias's ``KEY_PREFIX`` (``make_key``).
+    key: str
     owner: str
     hold_count: int
     token: int | None
@@ -61,7 +62,7 @@ class LockInfo:
         """The fields as JSON-ready values, with ``lease_left`` in seconds."""
         return {
             "alias": self.alias,
-            "name": self.name,
+            "key": self.key,
             "owner": self.owner,
             "hold_count": self.hold_count,
             "token": self.token,
@@ -311,7 +312,7 @@ class BaseLockBackend:
 
     def rw_holder(self, key: str, mode: str) -> LockInfo | None:
         """A holder of the ``mode`` side of ``key`` right now (a writer, or one of the readers), else None."""
-        return next((info for info in self.held() if info.name == key and info.kind == mode), None)
+        return next((info for info in self.held() if info.key == key and info.kind == mode), None)
 
     def holder(self, key: str) -> LockInfo | None:
         """The lock stored as ``key`` if it is held right now, else None.
@@ -319,7 +320,7 @@ class BaseLockBackend:
         The default looks through ``held()``; a backend can ask its server for
         the one key instead.
         """
-        return next((info for info in self.held() if info.name == key), None)
+        return next((info for info in self.held() if info.key == key), None)
 
     def held(self) -> Iterator[LockInfo]:
         """Yield the locks held right now (for the admin and the commands)."""

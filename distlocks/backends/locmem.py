@@ -224,7 +224,7 @@ class LocMemBackend(BaseLockBackend):
     def _info(self, store: _Store, key: str, held: _Held, now: float) -> LockInfo:
         return LockInfo(
             alias=self.alias,
-            name=key,
+            key=key,
             owner=held.owner,
             hold_count=held.count,
             token=held.token,

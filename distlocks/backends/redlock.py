@@ -372,13 +372,13 @@ class RedlockBackend(BaseLockBackend):
         seen: dict[str, list[LockInfo]] = {}
         for infos in self._ask(lambda node: list(node.held()), INSPECT_SECONDS):
             for info in infos or []:  # a node that is down shows nothing
-                seen.setdefault(info.name, []).append(info)
+                seen.setdefault(info.key, []).append(info)
         for infos in seen.values():
             if len(infos) >= self.quorum:
                 first = infos[0]
                 yield LockInfo(
                     alias=self.alias,
-                    name=first.name,
+                    key=first.key,
                     owner=first.owner,
                     hold_count=first.hold_count,
                     token=self._shown_token([info.token or 0 for info in infos]),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import signal
 import threading
 import time
 from datetime import datetime, timedelta, timezone
@@ -72,7 +73,7 @@ def take(name, alias, wait=0):
 
 
 def held_row(alias, key):
-    return next(info for info in locks[alias].held() if info.name == key)
+    return next(info for info in locks[alias].held() if info.key == key)
 
 
 def set_time_zone(connection, zone):
@@ -260,7 +261,7 @@ def test_names_are_distinct_locks_when_they_differ_only_in_case_trailing_space_o
     lk = distlocks.lock(second, using=alias, renew=False)
     try:
         assert lk.acquire(wait=0), f"{second!r} is taken by the holder of {first!r}"
-        names = {info.name for info in locks[alias].held()}
+        names = {info.key for info in locks[alias].held()}
         assert {first, second} <= names
         lk.release()
     finally:
@@ -313,3 +314,99 @@ def test_a_killed_waiter_does_not_hold_up_the_queue(alias, name, workers):
     assert answer[0] == "acquired", answer
     assert waited < 30, f"the next waiter got the lock only after {waited:.1f} s (places last {WAITER_LEASE} s)"
     second.finish()
+
+
+@pytest.mark.parametrize("alias", DB_ALIASES, indirect=True)
+def test_a_stopped_waiter_at_the_head_does_not_hold_up_the_queue(alias, name, workers):
+    from distlocks.models import LockWaiter
+
+    queue = LockWaiter.objects.using(locks[alias].database).filter(lock_name=locks[alias].make_key(name))
+    holder = Holder(name, alias, ttl=60)
+    first = workers("take", alias, name, 60)
+    until(lambda: queue.count() == 1, 30)
+    second = workers("take", alias, name, 60)
+    until(lambda: queue.count() == 2, 30)
+    os.kill(first.process.pid, signal.SIGSTOP)  # first in the queue; on PostgreSQL it LISTENs and reads nothing now
+    try:
+        # The release notifies a listener that reads nothing: it must not wait for it.
+        assert holder.release() is None
+        # Served once the stopped waiter's place ran out (it renews it no more).
+        assert second.line()[0] == "acquired"
+    finally:
+        os.kill(first.process.pid, signal.SIGCONT)
+    # Woken again, the first still gets the lock.
+    assert first.line()[0] == "acquired"
+    second.finish()
+    first.finish()
+
+
+@servers
+def test_a_waiter_whose_session_was_ended_still_gets_the_lock(alias, name, workers):
+    # On PostgreSQL the waiter LISTENs on that session: the release's NOTIFY is
+    # lost with it, and the waiter must find the lock by looking (and listen again).
+    from distlocks.models import LockWaiter
+
+    queue = LockWaiter.objects.using(locks[alias].database).filter(lock_name=locks[alias].make_key(name))
+    holder = Holder(name, alias, ttl=60)
+    waiter = workers("take", alias, name, 60)
+    until(lambda: queue.count() == 1, 30)
+    with connections[alias].cursor() as cursor:
+        mine = session_id(connections[alias])
+        if connections[alias].vendor == "mysql":
+            cursor.execute("SELECT ID FROM information_schema.PROCESSLIST WHERE DB = DATABASE()")
+        else:
+            cursor.execute("SELECT pid FROM pg_stat_activity WHERE datname = current_database()")
+        sessions = [row[0] for row in cursor.fetchall() if row[0] != mine]
+    for session in sessions:  # the waiter's and the holder's lock sessions among them
+        kill_session(alias, session)
+    assert holder.release() is None
+    assert waiter.line()[0] == "acquired"
+    waiter.finish()
+
+
+@pytest.mark.parametrize("alias", ["postgresql"], indirect=True)
+def test_release_notifies_the_lock_channel_on_postgresql_only_while_a_waiter_is_queued(alias, name):
+    from distlocks.backends.db.notify import channel
+    from distlocks.models import LockWaiter
+
+    backend = locks[alias]
+    alone, awaited = distlocks.lock(f"{name}-alone", using=alias), distlocks.lock(name, using=alias)
+    listener = connections.create_connection(alias)
+    try:
+        with listener.cursor() as cursor:
+            for lk in (alone, awaited):
+                cursor.execute(f'LISTEN "{channel(lk.key)}"')
+        alone.acquire()
+        awaited.acquire()
+        later = datetime.now(timezone.utc) + timedelta(seconds=60)
+        LockWaiter.objects.using(backend.database).create(lock_name=awaited.key, expires_at=later)
+        alone.release()
+        awaited.release()
+        # Notifications come in the order of the commits: the first is the awaited lock's.
+        notifications = list(listener.connection.notifies(timeout=10, stop_after=1))
+        assert [n.channel for n in notifications][:1] == [channel(awaited.key)]
+    finally:
+        listener.close()
+        backend.clear_expired()
+        LockWaiter.objects.using(backend.database).filter(lock_name=awaited.key).delete()
+
+
+@pytest.mark.parametrize("alias", ["postgresql"], indirect=True)
+def test_waiters_listen_only_on_a_session_of_their_own_not_behind_pgbouncer_in_transaction_pooling_mode(
+    alias, name, settings, pgbouncer
+):
+    # LISTEN would stay with a pooled server session that other clients get next.
+    from distlocks.backends.db.connections import open_like
+    from distlocks.backends.db.notify import own_session
+    from tests.faults.test_native import behind_pgbouncer, extra_alias
+
+    def opener(database):
+        return lambda: open_like(connections[database], f"{database}:{name}", 5, 5)
+
+    for database, own in [("postgresql", True), ("pooled", False)]:
+        with extra_alias(settings, "pooled", behind_pgbouncer(pgbouncer), "distlocks.backends.db.DatabaseBackend"):
+            connection = opener(database)()
+            try:
+                assert own_session(connection, f"{database}-{name}", opener(database)) is own
+            finally:
+                connection.close()

@@ -142,7 +142,7 @@ def test_every_name_is_a_lock_of_its_own_in_one_cluster_slot(own_redis):
             assert client.exists(lock_hash, fence) == 2
             assert key_slot(lock_hash.encode()) == key_slot(fence.encode()) == key_slot(queue.encode())
         assert len({lk.token for lk in held}) == len(names)
-        assert sorted(info.name for info in backend.held()) == sorted(names)  # shown as they were given
+        assert sorted(info.key for info in backend.held()) == sorted(names)  # shown as they were given
     finally:
         for lk in held:
             lk.release()

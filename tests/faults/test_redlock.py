@@ -189,7 +189,7 @@ def test_tokens_keep_increasing_when_the_majority_changes(nodes, name, ahead):
 def test_force_release_with_a_stale_token_leaves_the_next_holder_alone(nodes, name):
     backend = locks["rl"]
     first = Holder(name, "rl")
-    [shown] = [info.token for info in backend.held() if info.name == first.lock.key]
+    [shown] = [info.token for info in backend.held() if info.key == first.lock.key]
     assert shown == first.token  # the nodes of its majority agree on it
     assert not backend.force_release(first.lock.key, first.token + 1)
     assert backend.force_release(first.lock.key, first.token)

@@ -352,11 +352,11 @@ def test_a_strangers_child_neither_blocks_nor_holds_the_lock(name):
         client.create(f"{parent}/note")
         lk = distlocks.lock(name, using="zookeeper")
         assert lk.acquire(wait=0)
-        info = next(info for info in backend.held() if info.name == name)
+        info = next(info for info in backend.held() if info.key == name)
         assert info.token == lk.token
         assert info.waiters == 0
         lk.release()
-        assert not any(info.name == name for info in backend.held())
+        assert not any(info.key == name for info in backend.held())
     finally:
         client.stop()
         client.close()
@@ -372,11 +372,11 @@ def test_names_dot_dotdot_and_slash_are_distinct_working_locks_listed_as_given()
     for lk in held:
         assert lk.acquire(wait=0)
     try:
-        listed = {info.name for info in backend.held()}
+        listed = {info.key for info in backend.held()}
         assert set(names) <= listed
         out = StringIO()
         call_command("distlocks_list", "--using", "zookeeper", "--json", stdout=out)
-        assert set(names) <= {row["name"] for row in json.loads(out.getvalue())}
+        assert set(names) <= {row["key"] for row in json.loads(out.getvalue())}
         # Each is its own lock: another thread finds each taken.
         taken = []
 
@@ -390,7 +390,7 @@ def test_names_dot_dotdot_and_slash_are_distinct_working_locks_listed_as_given()
     finally:
         for lk in held:
             lk.release()
-    assert not set(names) & {info.name for info in backend.held()}
+    assert not set(names) & {info.key for info in backend.held()}
 
 
 # -- 20: force-release of one acquisition --
@@ -418,9 +418,9 @@ def test_force_release_with_a_stale_token_leaves_the_new_holder_alone(name):
         assert thread_ready.wait(30)
         assert tokens[0] > stale
         assert backend.force_release(name, token=stale) is False
-        assert any(info.name == name and info.token == tokens[0] for info in backend.held())
+        assert any(info.key == name and info.token == tokens[0] for info in backend.held())
         assert backend.force_release(name, token=tokens[0]) is True
-        assert not any(info.name == name for info in backend.held())
+        assert not any(info.key == name for info in backend.held())
     finally:
         thread_done.set()
         thread.join(30)

@@ -31,6 +31,7 @@ from distlocks.backends.db.connections import (
     track,
     tracked,
 )
+from distlocks.backends.db.notify import can_listen, channel, notified, own_session
 from distlocks.backends.db.statements import execute, sql_for
 from distlocks.exceptions import BackendUnavailable
 from distlocks.owner import Owner
@@ -49,6 +50,9 @@ _POLL_FIRST = 0.001
 _HEAD_POLL_MAX = 0.004
 _HEAD_FAST = 0.05
 _POLL_MAX = 0.02
+# On PostgreSQL a release wakes the waiters (NOTIFY); they still look every 50 ms
+# for what sends no notification: a lease that ran out, a waiter ahead leaving.
+_LISTEN_POLL = 0.05
 #: Seconds a waiter's place in the queue lasts unless renewed: how long a
 #: waiter that crashed holds up the ones behind it, at most.
 WAITER_LEASE = 2.0
@@ -107,6 +111,7 @@ class DatabaseBackend(BaseLockBackend):
         self._connection_alias = f"distlocks:{alias}"
         self._connection: BaseDatabaseWrapper | None = None
         self._places: dict[str, _Place] = {}  # this thread's (backend instances are per thread)
+        self._listening: dict[str, Any] = {}  # key: the psycopg connection that LISTENs for its releases
 
     def make_key(self, name: str) -> str:
         """Return the key of ``name``; raise ValueError if a database cannot store it.
@@ -194,12 +199,16 @@ class DatabaseBackend(BaseLockBackend):
             sql = sql_for(connection)
             owned = [key, owner.host[:255], owner.pid, owner.thread_label[:255], owner.secret, sql.lease(ttl)]
             params = [*owned, key, queued_as]
+            leaving = place is not None and sql.insert_leaving is not None
+            statement = sql.insert_leaving if leaving else sql.insert
             for _ in range(2):
                 try:
                     with connection.cursor() as cursor:
-                        cursor.execute(sql.insert, params)
+                        cursor.execute(statement, [*params, queued_as] if leaving else params)
                         if sql.returning:
                             row = cursor.fetchone()
+                            if row is not None and leaving:
+                                self._places.pop(key, None)  # left the queue: end_wait() has nothing to delete
                             return None if row is None else int(row[0])
                         return int(cursor.lastrowid) if cursor.rowcount == 1 else None
                 except IntegrityError:
@@ -220,6 +229,8 @@ class DatabaseBackend(BaseLockBackend):
         InnoDB and PostgreSQL, WAL readers on SQLite), so waiters never get in
         the holder's way. The first in the queue polls most often, as it is the
         one to take the lock next; the place is renewed every third of its lease.
+        On PostgreSQL it waits for the release's notification between looks
+        instead (see ``notify``).
         """
         if self._using() != self._connection_alias:
             self._poll(key, remaining)  # SQLite inside the caller's transaction: nobody else can write anyway
@@ -231,10 +242,18 @@ class DatabaseBackend(BaseLockBackend):
         while True:
             if time.monotonic() - place.renewed > WAITER_LEASE / 3:
                 place = self._stay_queued(key, place)
+            listening = self._listen(key)  # before the look, so that no release after it goes unheard
 
             live, ahead = self._run(functools.partial(self._look, key, place.id))
             if not live and not ahead:
                 return
+            if listening is not None:
+                pause = _LISTEN_POLL if deadline is None else min(_LISTEN_POLL, deadline - time.monotonic())
+                if pause <= 0:
+                    return
+                if notified(listening, pause) and not ahead:
+                    return  # released: the first in the queue tries at once
+                continue
             if ahead:
                 head_since = None
                 delay = min(delay * 2, _HEAD_POLL_MAX * (ahead + 1), _POLL_MAX)
@@ -251,6 +270,31 @@ class DatabaseBackend(BaseLockBackend):
             cursor.execute(sql_for(connection).look, [key, key, place])
             live, ahead = cursor.fetchone()
             return int(live), int(ahead)
+
+    def _listen(self, key: str) -> Any | None:
+        """On PostgreSQL, LISTEN for the releases of ``key`` on our connection (again if it was replaced).
+
+        Return the psycopg connection that listens, or None to poll: where
+        waiters only poll, or this time, if the connection failed (the look
+        that follows opens another, or tells that the server is unavailable).
+        """
+        connection = connections[self._connection_alias]
+        if not can_listen(connection):
+            return None
+        if self._listening.get(key) is connection.connection:
+            return connection.connection
+        base = connections[self.database]
+        probe = functools.partial(
+            open_like, base, f"{self._connection_alias}:probe", self.connect_timeout, self.timeout
+        )
+        try:
+            if not self._run(lambda connection: own_session(connection, self.database, probe)):
+                return None
+            self._run(lambda connection: execute(connection, f'LISTEN "{channel(key)}"', []))
+        except BackendUnavailable:
+            return None
+        listening = self._listening[key] = connections[self._connection_alias].connection
+        return listening
 
     def _enqueue(self, key: str) -> _Place:
         def enqueue(connection: BaseDatabaseWrapper) -> int:
@@ -278,9 +322,17 @@ class DatabaseBackend(BaseLockBackend):
     def end_wait(self, key: str, acquired: bool) -> None:
         """Leave the queue; if the server cannot be told, the place's lease runs out by itself."""
         place = self._places.pop(key, None)
-        if place is not None:
+        listening = self._listening.pop(key, None)
+
+        def leave(connection: BaseDatabaseWrapper) -> None:
+            if place is not None:
+                execute(connection, sql_for(connection).dequeue, [place.id])
+            if listening is not None and listening is connection.connection:
+                execute(connection, f'UNLISTEN "{channel(key)}"', [])
+
+        if place is not None or listening is not None:
             with contextlib.suppress(BackendUnavailable):
-                self._run(lambda connection: execute(connection, sql_for(connection).dequeue, [place.id]))
+                self._run(leave)
 
     def _poll(self, key: str, remaining: float | None) -> None:
         """Poll with a plain SELECT until the lock looks free, for at most ``remaining`` seconds."""
@@ -309,7 +361,8 @@ class DatabaseBackend(BaseLockBackend):
     def release(self, key: str, owner: Owner) -> bool:
         def attempt(connection: BaseDatabaseWrapper) -> bool:
             sql = sql_for(connection)
-            if execute(connection, sql.release_last, [key, owner.secret]):
+            mine = [key, owner.secret]
+            if execute(connection, sql.release_last, [*mine, channel(key)] if sql.notifies else mine):
                 return True
             if execute(connection, sql.release_one, [key, owner.secret]):
                 return True
@@ -421,7 +474,7 @@ class DatabaseBackend(BaseLockBackend):
     def _info(self, row: Lock | ReadWriteHold) -> LockInfo:
         return LockInfo(
             alias=self.alias,
-            name=row.lock_name,
+            key=row.lock_name,
             owner=row.owner,
             hold_count=row.hold_count,
             token=row.pk,

@@ -31,7 +31,12 @@ class ReadWriteStatements:
         )
         self.lock_gate = f"UPDATE {table} SET expires_at = {now} WHERE lock_name = %s AND mode = 'gate'"
         self.add_gate = f"INSERT INTO {table} ({columns}) VALUES (%s, 'gate', '', 0, '', '', 0, {now}, {now})"
-        self.prune = f"DELETE FROM {table} WHERE lock_name = %s AND mode <> 'gate' AND expires_at <= {now}"
+        # The expired rows, and the asker's own row of the side it asks for: the thread holds none, so that
+        # is what a release whose answer was lost left behind (taken anew, it neither collides nor blocks).
+        self.prune = (
+            f"DELETE FROM {table} WHERE lock_name = %s AND mode <> 'gate'"
+            f" AND (expires_at <= {now} OR (mode = %s AND owner_secret = %s))"
+        )
         self.rows = f"SELECT mode, owner_secret FROM {table} WHERE lock_name = %s AND mode <> 'gate' ORDER BY id"
         self.insert = f"INSERT INTO {table} ({columns}) VALUES (%s, %s, %s, %s, %s, %s, 1, {now}, {later}){returning}"
         self.wait_more = (
@@ -72,7 +77,7 @@ def acquire(
     for _ in range(2):
         with transaction.atomic(using=connection.alias):
             if execute(connection, sql.lock_gate, [key]):
-                execute(connection, sql.prune, [key])
+                execute(connection, sql.prune, [key, mode, owner.secret])
                 with connection.cursor() as cursor:
                     cursor.execute(sql.rows, [key])
                     rows = [(str(kind), str(secret)) for kind, secret in cursor.fetchall()]

@@ -52,6 +52,14 @@ class Statements:
             f" hold_count, acquired_at, expires_at) SELECT %s, %s, %s, %s, %s, 1, {now}, {later}{dual}"
             f" WHERE NOT EXISTS (SELECT 1 FROM {ahead}){returning}"
         )
+        # On PostgreSQL a waiter that takes the lock leaves the queue in the same
+        # statement (the last parameter: its place); elsewhere end_wait() does.
+        self.insert_leaving = (
+            f"WITH taken AS ({self.insert}), gone AS (DELETE FROM {queue} WHERE id = %s"
+            " AND EXISTS (SELECT 1 FROM taken)) SELECT id FROM taken"
+            if returning
+            else None
+        )
         # A waiter's look: is the lock live, and how many live waiters are ahead of it.
         self.look = f"SELECT (SELECT COUNT(*) FROM {table} WHERE lock_name = %s AND expires_at > {now}), (SELECT COUNT(*) FROM {ahead})"
         self.enqueue = f"INSERT INTO {queue} (lock_name, expires_at) VALUES (%s, {later}){returning}"
@@ -63,6 +71,15 @@ class Statements:
         self.reenter = f"UPDATE {table} SET hold_count = hold_count + 1, expires_at = {later} WHERE {mine}"
         self.extend = f"UPDATE {table} SET expires_at = {later} WHERE {mine}"
         self.release_last = f"DELETE FROM {table} WHERE {mine} AND hold_count <= 1"
+        # PostgreSQL wakes the waiters (LISTENing on the lock's channel, the
+        # last parameter) when the last hold is released while any is queued.
+        self.notifies = vendor == "postgresql"
+        if self.notifies:
+            self.release_last = (
+                f"WITH gone AS ({self.release_last} RETURNING lock_name) SELECT CASE WHEN EXISTS"
+                f" (SELECT 1 FROM {queue} w WHERE w.lock_name = gone.lock_name AND w.expires_at > {now})"
+                " THEN pg_notify(%s, '') END FROM gone"
+            )
         self.release_one = f"UPDATE {table} SET hold_count = hold_count - 1 WHERE {mine}"
         self.drop_mine = f"DELETE FROM {table} WHERE lock_name = %s AND owner_secret = %s"
         self.force_release = f"DELETE FROM {table} WHERE lock_name = %s"

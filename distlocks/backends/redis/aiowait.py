@@ -21,9 +21,7 @@ from typing import Any
 
 from distlocks.backends.base import AsyncTurn, BaseLockBackend
 from distlocks.backends.redis.backend import RedisBackend
-from distlocks.backends.redis.handover import Waiter, pass_on
-from distlocks.backends.redis.keys import lock_keys
-from distlocks.backends.redis.scripts import registered
+from distlocks.backends.redis.handover import Waiter, give_back, pass_on
 from distlocks.owner import Owner
 
 logger = logging.getLogger(__name__)
@@ -124,7 +122,7 @@ class LoopReleases:
             from redis.exceptions import RedisError
 
             with contextlib.suppress(RedisError):
-                await registered(self.client)["abandon"](keys=lock_keys(gone[0]), args=[gone[1], ""])
+                await give_back(self.client, gone)
 
 
 # Per event loop, per cache alias and server.

@@ -6,7 +6,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -14,9 +14,8 @@ from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 
 from distlocks.backends.base import AsyncTurn, BaseLockBackend, LockInfo
-from distlocks.backends.redis import rwscripts
 from distlocks.backends.redis.handover import Releases, Waiter, releases_for
-from distlocks.backends.redis.keys import key_of, lock_hash, lock_keys
+from distlocks.backends.redis.keys import RW_SUFFIX, key_of, lock_hash, lock_keys
 from distlocks.backends.redis.scripts import registered
 from distlocks.backends.redis.server import (
     TIMEOUTS,
@@ -56,7 +55,6 @@ class RedisBackend(BaseLockBackend):
         self._client_scripts: dict[str, Any] | None = None
         self._process_releases: Releases | None = None
         self._waited_at = -math.inf
-        self._rw_scripts: dict[str, Any] | None = None
 
     @property
     def client(self) -> Any:
@@ -116,36 +114,57 @@ class RedisBackend(BaseLockBackend):
 
     def try_acquire_as(self, key: str, owner: Owner, ttl: float, waiter: Waiter | None) -> int | None:
         """One attempt, by ``waiter`` if it waits (a thread's, or an async task's: see ``aiowait``)."""
+        return self._attempt(
+            "acquire", self._keys(key), [], key, owner, ttl, waiter, lambda: self.extend(key, owner, ttl)
+        )
+
+    def _attempt(
+        self,
+        script: str,
+        keys: Sequence[str],
+        args: list[Any],
+        slot: str,
+        owner: Owner,
+        ttl: float,
+        waiter: Waiter | None,
+        renew: Callable[[], bool],
+        mode: str = "",
+    ) -> int | None:
+        """One attempt of a lock's or a read-write lock's side (``mode``): ``script`` with ``args`` and the owner's.
+
+        A ``waiter`` queues when it does not get it, and takes what a release
+        handed it. A failed attempt leaves the most to wait in ``_wait_hint[slot]``.
+        """
         if waiter is not None and waiter.token:
-            return self._handed_over(key, owner, ttl, waiter, waiter.token)
+            return self._handed_over(waiter, ttl, renew, waiter.token)
         lease = self._ms(ttl)
-        args = [owner.secret, lease, _info(owner)]
+        args += [owner.secret, lease, _info(owner)]
         if waiter is not None:
-            args.append(waiter.queue_entry(owner, lease))
+            args.append(waiter.queue_entry(owner, lease, mode))
             if waiter.queued:
                 args.append("queued")
         sent = time.monotonic()
-        token = int(self._call("acquire", self._keys(key), args))
+        token = int(self._call(script, keys, args))
         if token > 0:
             # Taken now, or (a queued waiter) handed over by a release whose message it had not read.
-            return self._handed_over(key, owner, ttl, waiter, token) if waiter and waiter.queued else token
+            return self._handed_over(waiter, ttl, renew, token) if waiter and waiter.queued else token
         if waiter is not None and not waiter.queued:
             waiter.queued = True
             waiter.queued_at = sent
-        self._wait_hint[key] = -token / 1000
+        self._wait_hint[slot] = -token / 1000
         return None
 
-    def _handed_over(self, key: str, owner: Owner, ttl: float, waiter: Waiter, token: int) -> int | None:
+    def _handed_over(self, waiter: Waiter, ttl: float, renew: Callable[[], bool], token: int) -> int | None:
         """Take a lock a release handed to ``waiter``, if its lease is surely still ours.
 
         The lease began at the hand-over, which came after the waiter queued: a
         waiter that queued less than a third of ``ttl`` ago has two thirds of the
         lease ahead at least. One that waited longer, or whose process was paused
-        meanwhile, renews it first: the lease may have run out and the lock gone
-        to someone else. Then it queues again.
+        meanwhile, renews it first (``renew``): the lease may have run out and the
+        lock gone to someone else. Then it queues again.
         """
         waiter.token = 0
-        if time.monotonic() - waiter.queued_at <= ttl / 3 or self.extend(key, owner, ttl):
+        if time.monotonic() - waiter.queued_at <= ttl / 3 or renew():
             return token
         logger.info("A lock handed over to a waiter was gone when it woke: queueing again")
         return None
@@ -200,19 +219,25 @@ class RedisBackend(BaseLockBackend):
         waiter.retry = False
 
     def end_wait(self, key: str, acquired: bool) -> None:
-        self._wait_hint.pop(key, None)
-        waiter = self._waiting.pop(key, None)
+        self._end_wait(key, acquired, "abandon", self._keys(key))
+
+    def _end_wait(self, slot: str, acquired: bool, abandon: str, keys: Sequence[str]) -> None:
+        self._wait_hint.pop(slot, None)
+        waiter = self._waiting.pop(slot, None)
         if waiter is None:
             return
         if not acquired:
-            self.leave_queue(key, waiter)
+            self._leave(abandon, keys, waiter)
         self._releases().discharge(waiter)
 
     def leave_queue(self, key: str, waiter: Waiter) -> None:
         """Take ``waiter`` out of the lock's queue, passing on the lock if a release handed it over meanwhile."""
+        self._leave("abandon", self._keys(key), waiter)
+
+    def _leave(self, abandon: str, keys: Sequence[str], waiter: Waiter) -> None:
         if waiter.entry:
             with contextlib.suppress(BackendUnavailable):
-                self._call("abandon", self._keys(key), [waiter.id, waiter.entry])
+                self._call(abandon, keys, [waiter.id, waiter.entry])
 
     def async_turn(self, key: str) -> AsyncTurn:
         from distlocks.backends.redis.aiowait import RedisTurn
@@ -223,29 +248,30 @@ class RedisBackend(BaseLockBackend):
 
     rw_supported = True
 
+    @staticmethod
+    def _rw_keys(key: str) -> tuple[str, str, str]:
+        """A read-write lock's hash, fencing counter and queue; the hash's name is also its slot in ``_waiting``."""
+        return lock_keys(lock_hash(key) + RW_SUFFIX)
+
     def _rw_call(self, script: str, key: str, args: list[Any]) -> Any:
-        scripts = self._rw_scripts
-        if scripts is None:
-            client = self.client
-            self._inspect(client)
-            scripts = self._rw_scripts = registered(client, rwscripts.SCRIPTS, "_distlocks_rw_scripts")
-        rw_hash = f"{lock_hash(key)}:rw"
-        try:
-            return scripts[script](keys=[rw_hash, f"{rw_hash}:fence", f"{rw_hash}:wait"], args=args)
-        except connection_errors() as exc:
-            raise self._unavailable(exc) from exc
+        return self._call(script, self._rw_keys(key), args)
 
     def rw_acquire(self, key: str, owner: Owner, ttl: float, mode: str) -> int | None:
-        args = [owner.secret, self._ms(ttl), mode, _info(owner)]
-        waits = self.rw_waits(key, mode)
-        if waits:
-            args.append("waits")
-        token = int(self._rw_call("rw_acquire", key, args))
-        if token:
-            return token
-        if waits:
-            self.rw_waiting(key, owner)
-        return None
+        keys = self._rw_keys(key)
+        waiter = self._waiting.get(keys[0])
+        renew = lambda: self.rw_extend(key, owner, ttl, mode)  # noqa: E731
+        return self._attempt("rw_acquire", keys, [mode], keys[0], owner, ttl, waiter, renew, mode)
+
+    def rw_begin_wait(self, key: str, mode: str) -> None:
+        self.begin_wait(self._rw_keys(key)[0])
+
+    def rw_wait(self, key: str, mode: str, attempt: int, remaining: float | None) -> None:
+        """Wait for the side's turn in the read-write lock's queue, as ``wait`` does for a lock."""
+        self.wait(self._rw_keys(key)[0], attempt, remaining)
+
+    def rw_end_wait(self, key: str, mode: str, acquired: bool) -> None:
+        keys = self._rw_keys(key)
+        self._end_wait(keys[0], acquired, "rw_abandon", keys)
 
     def rw_reenter(self, key: str, owner: Owner, ttl: float, mode: str) -> bool:
         return bool(self._rw_call("rw_renew", key, [owner.secret, self._ms(ttl), mode, 1]))
@@ -256,15 +282,12 @@ class RedisBackend(BaseLockBackend):
     def rw_release(self, key: str, owner: Owner, mode: str) -> bool:
         return int(self._rw_call("rw_release", key, [owner.secret, mode])) >= 0
 
-    def rw_abandon(self, key: str, secret: str) -> None:
-        self._rw_call("rw_abandon", key, [secret])
-
     def rw_force_release(self, key: str, token: int | None = None) -> bool:
         return bool(self._rw_call("rw_force_release", key, ["" if token is None else str(token)]))
 
     def _rw_held(self) -> Iterator[LockInfo]:
         client = self.client
-        for raw in client.scan_iter(match="distlocks:{*}:rw", count=500):
+        for raw in client.scan_iter(match=f"distlocks:{{*}}{RW_SUFFIX}", count=500):
             rw_hash = raw.decode() if isinstance(raw, bytes) else raw
             fields = {k.decode(): v.decode() for k, v in client.hgetall(rw_hash).items()}
             now = datetime.now(timezone.utc)
@@ -282,7 +305,7 @@ class RedisBackend(BaseLockBackend):
                 acquired, _, owner = info.partition(" ")
                 yield LockInfo(
                     alias=self.alias,
-                    name=key_of(rw_hash[: -len(":rw")]),
+                    key=key_of(rw_hash[: -len(RW_SUFFIX)]),
                     owner=owner,
                     hold_count=count,
                     token=token,
@@ -321,7 +344,7 @@ class RedisBackend(BaseLockBackend):
         acquired, _, owner = fields.get("info", "").partition(" ")
         return LockInfo(
             alias=self.alias,
-            name=key_of(name),
+            key=key_of(name),
             owner=owner,
             hold_count=int(fields.get("count", 0)),
             token=int(fields["token"]) if "token" in fields else None,

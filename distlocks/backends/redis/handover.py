@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from distlocks.backends.redis.keys import lock_keys
+from distlocks.backends.redis.keys import RW_SUFFIX, lock_keys
 from distlocks.backends.redis.scripts import registered
 from distlocks.owner import Owner
 
@@ -35,9 +35,9 @@ class Waiter:
     def awaken(self) -> None:
         self.wake.set()
 
-    def queue_entry(self, owner: Owner, lease_ms: int) -> str:
-        """Where to tell it, who it is, and the lease to hand it the lock with."""
-        self.entry = f"{self.channel}|{self.id}|{owner.secret}|{lease_ms}|{owner}"
+    def queue_entry(self, owner: Owner, lease_ms: int, mode: str = "") -> str:
+        """Where to tell it, who it is, and the lease to hand it the lock with (a read-write lock's: which side)."""
+        self.entry = f"{mode}{'|' if mode else ''}{self.channel}|{self.id}|{owner.secret}|{lease_ms}|{owner}"
         return self.entry
 
 
@@ -118,7 +118,7 @@ class Releases:
             from redis.exceptions import RedisError
 
             with contextlib.suppress(RedisError):
-                registered(self.client)["abandon"](keys=lock_keys(gone[0]), args=[gone[1], ""])
+                give_back(self.client, gone)
 
 
 def pass_on(message: dict[str, Any], waiters: Mapping[str, Waiter], subscribed: Any) -> tuple[str, str] | None:
@@ -144,6 +144,16 @@ def pass_on(message: dict[str, Any], waiters: Mapping[str, Waiter], subscribed: 
     handed_to.token = int(token)
     handed_to.awaken()
     return None
+
+
+def give_back(client: Any, gone: tuple[str, str]) -> Any:
+    """Give back what a release handed to a waiter that left (``pass_on``'s answer): a lock, or a read-write lock's side.
+
+    With an asyncio ``client``, return the awaitable.
+    """
+    lock_hash, waiter_id = gone
+    abandon = "rw_abandon" if lock_hash.endswith(RW_SUFFIX) else "abandon"
+    return registered(client)[abandon](keys=lock_keys(lock_hash), args=[waiter_id, ""])
 
 
 # One per cache alias and server (tests point an alias at new servers), in this process.

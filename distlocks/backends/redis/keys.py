@@ -22,6 +22,10 @@ def lock_hash(key: str) -> str:
     return f"distlocks:{{{key}}}"
 
 
+#: The end of a read-write lock's hash name: ``lock_hash(key) + RW_SUFFIX`` (a lock's ends in "}").
+RW_SUFFIX = ":rw"
+
+
 def key_of(name: str) -> str:
     """The key of a lock from the name of its hash (the reverse of ``lock_hash``)."""
     tagged = name[len("distlocks:{") : -1]

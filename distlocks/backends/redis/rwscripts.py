@@ -1,16 +1,26 @@
 """The Lua scripts of the Redis read-write locks: every change is one script, atomic on the server.
 
-Every script gets the keys of one read-write lock: KEYS[1] its hash, KEYS[2]
-its fencing counter, KEYS[3] its waiting writers (a sorted set of owner
-secrets by arrival, ms). The hash holds the writer (fields ``w`` its secret,
-``wc`` its hold count, ``wt`` its token, ``wi`` its info, ``we`` when its
-lease ends, ms by the server's clock), each reader (``r:<secret>``: "<lease
-end> <count> <token> <info>") and each waiting writer's record (``q:<secret>``:
-when it ends). Every hold is a lease of its own: an entry whose end has
-passed counts for nothing and is deleted by the next script that meets it.
-The hash itself outlives its longest lease, so Redis deletes what the last
-holder's crash leaves. Tokens are taken as the lock's are (never below the
-server's clock in microseconds, see ``scripts.TAKE``).
+Every script gets the keys of one read-write lock, named as a lock's (see
+``keys.lock_keys``): KEYS[1] its hash, KEYS[2] its fencing counter, KEYS[3]
+its waiters' queue, a sorted set by arrival (ms) of entries
+"mode|channel|waiter id|owner secret|lease ms|owner description". The hash
+holds the writer (fields ``w`` its secret, ``wc`` its hold count, ``wt`` its
+token, ``wi`` its info, ``we`` when its lease ends, ms by the server's clock),
+each reader (``r:<secret>``: "<lease end> <count> <token> <info>"), when each
+queued waiter's entry ends (``q:<waiter id>``), and, for a hold handed to a
+waiter that has not taken it yet, the waiter's id (``g`` and the hold's field:
+``gw``, ``gr:<secret>``). Every hold and every queue entry is a lease of its
+own: one whose end has passed counts for nothing and is deleted by the next
+script that meets it. The hash outlives its longest lease, so Redis deletes
+what the last holder's crash leaves. Tokens are taken as the lock's are (never
+below the server's clock in microseconds, see ``scripts.TAKE``).
+
+The hand-over is the lock's (``scripts.PASS_ON``): a script that may free the
+lock serves the queue from its head, gives the side to the waiters that may
+have it (a writer alone, or the run of readers up to the next writer) and
+tells each on its process's channel, "token waiter-id hash", which
+``handover.pass_on`` reads. As in the lock's scripts, the common case runs
+first and returns before the queue's functions are made.
 """
 
 from __future__ import annotations
@@ -33,21 +43,8 @@ end
 local function writer()
   local w, ends = unpack(redis.call('HMGET', KEYS[1], 'w', 'we'))
   if w and tonumber(ends) > now then return w end
-  if w then redis.call('HDEL', KEYS[1], 'w', 'wc', 'wt', 'wi', 'we') end
+  if w then redis.call('HDEL', KEYS[1], 'w', 'wc', 'wt', 'wi', 'we', 'gw') end
   return nil
-end
-local function waiting()
-  local live = {}
-  for _, secret in ipairs(redis.call('ZRANGE', KEYS[3], 0, -1)) do
-    local ends = tonumber(redis.call('HGET', KEYS[1], 'q:' .. secret))
-    if ends and ends > now then
-      table.insert(live, secret)
-    else
-      redis.call('ZREM', KEYS[3], secret)
-      redis.call('HDEL', KEYS[1], 'q:' .. secret)
-    end
-  end
-  return live
 end
 local function readers()
   local fields = redis.call('HGETALL', KEYS[1])
@@ -57,7 +54,7 @@ local function readers()
       if tonumber(string.match(fields[i + 1], '^(%d+)')) > now then
         live = live + 1
       else
-        redis.call('HDEL', KEYS[1], fields[i])
+        redis.call('HDEL', KEYS[1], fields[i], 'g' .. fields[i])
       end
     end
   end
@@ -65,44 +62,113 @@ local function readers()
 end
 """
 
-# ARGV[1] the owner's secret, ARGV[2] the lease in ms, ARGV[3] the mode, ARGV[4] the info,
-# ARGV[5] (any value) to record a writer that does not get it as waiting
-# return the new token, or 0 if not acquired
+# Give the ``mode`` side to ``secret`` for ``lease`` ms; return its token (a string).
+HOLD = """
+local function hold(mode, secret, lease, info)
+  local token = new_token()
+  local ends = string.format('%d', now + lease)
+  if mode == 'read' then
+    redis.call('HSET', KEYS[1], 'r:' .. secret, ends .. ' 1 ' .. token .. ' ' .. info)
+  else
+    redis.call('HSET', KEYS[1], 'w', secret, 'wc', 1, 'wt', token, 'wi', info, 'we', ends)
+  end
+  keep(KEYS[1], lease)
+  return token
+end
+"""
+
+# The queue: serve it from its head (``pass_on``), drop a hold (``drop``: its field, 'w' or 'r:<secret>').
+QUEUE = (
+    HOLD
+    + """
+local function drop(field)
+  if field == 'w' then
+    redis.call('HDEL', KEYS[1], 'w', 'wc', 'wt', 'wi', 'we', 'gw')
+  else
+    redis.call('HDEL', KEYS[1], field, 'g' .. field)
+  end
+end
+-- Give the side to the waiters at the head that may have it now: a writer alone, or the run of
+-- readers up to the next writer. An entry whose lease ran out (its waiter stopped asking: it died)
+-- is dropped, and so is a waiter whose process no longer listens (the side goes to the next).
+local function pass_on()
+  while true do
+    local first = redis.call('ZRANGE', KEYS[3], 0, 0)[1]
+    if not first then return end
+    local mode, channel, id, secret, lease, info = string.match(first, '^(%a+)|([^|]*)|([^|]*)|([^|]*)|(%d+)|(.*)$')
+    local ends = tonumber(redis.call('HGET', KEYS[1], 'q:' .. id))
+    local live = ends and ends > now
+    if live and (writer() or (mode == 'write' and readers() > 0)) then return end
+    redis.call('ZREM', KEYS[3], first)
+    redis.call('HDEL', KEYS[1], 'q:' .. id)
+    if live then
+      local token = hold(mode, secret, tonumber(lease), clock[1] .. ' ' .. info)
+      local field = mode == 'write' and 'w' or 'r:' .. secret
+      redis.call('HSET', KEYS[1], 'g' .. field, id)
+      if redis.call('PUBLISH', channel, token .. ' ' .. id .. ' ' .. KEYS[1]) == 0 then
+        drop(field)
+      elseif mode == 'write' then
+        return
+      end
+    end
+  end
+end
+"""
+)
+
+# ARGV[1] the mode, ARGV[2] the owner's secret, ARGV[3] the lease in ms, ARGV[4] the info; if it
+# waits: ARGV[5] its queue entry, where it queues when not acquired, and ARGV[6] (any value) if an
+# earlier attempt queued it
+# return the token when acquired; when not, minus the ms to wait at most
 RW_ACQUIRE = (
     COMMON
+    + HOLD
     + """
-local secret, lease = ARGV[1], tonumber(ARGV[2])
+local mode, secret, lease = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local queue = redis.call('EXISTS', KEYS[3]) == 1
 local w = writer()
-if ARGV[3] == 'read' then
-  if w and w ~= secret then return 0 end
-  if not w and redis.call('EXISTS', KEYS[3]) == 1 and #waiting() > 0 then return 0 end
-  local token = new_token()
-  redis.call('HSET', KEYS[1], 'r:' .. secret, string.format('%d 1 %s %s', now + lease, token, ARGV[4]))
+if mode == 'read' then
+  -- The write holder reads at once (a downgrade); others when nobody writes or waits.
+  if w == secret or not (w or queue) then return tonumber(hold(mode, secret, lease, ARGV[4])) end
+elseif not (w or queue) and readers() == 0 then
+  return tonumber(hold(mode, secret, lease, ARGV[4]))
+end
+"""
+    + QUEUE
+    + """
+-- Its head may be free: a holder's lease ran out, a waiter ahead died.
+if queue then pass_on() end
+local field = mode == 'write' and 'w' or 'r:' .. secret
+local id = ARGV[5] and string.match(ARGV[5], '^%a+|[^|]*|([^|]*)|')
+if ARGV[6] and redis.call('HGET', KEYS[1], 'g' .. field) == id then
+  -- Handed to this waiter, now or by a release whose message it has not read yet.
+  redis.call('HDEL', KEYS[1], 'g' .. field)
+  if mode == 'write' then return tonumber(redis.call('HGET', KEYS[1], 'wt')) end
+  return tonumber(string.match(redis.call('HGET', KEYS[1], field), '^%d+ %d+ (%d+)'))
+end
+if redis.call('EXISTS', KEYS[3]) == 0 and not writer() and (mode == 'read' or readers() == 0) then
+  return tonumber(hold(mode, secret, lease, ARGV[4]))
+end
+if id then
+  redis.call('ZADD', KEYS[3], 'NX', now, ARGV[5])
+  redis.call('HSET', KEYS[1], 'q:' .. id, string.format('%d', now + lease))
   keep(KEYS[1], lease)
-  return tonumber(token)
+  keep(KEYS[3], lease)
 end
-local free = not w and readers() == 0
-if free and redis.call('EXISTS', KEYS[3]) == 1 then
-  local queued = waiting()
-  free = #queued == 0 or queued[1] == secret
-end
-if not free then
-  if ARGV[5] then
-    redis.call('ZADD', KEYS[3], 'NX', now, secret)
-    redis.call('HSET', KEYS[1], 'q:' .. secret, string.format('%d', now + lease))
-    keep(KEYS[1], lease)
-    keep(KEYS[3], lease)
+-- Wait until a hold or an entry ahead may run out, and ask again before this one's does.
+local wait = math.floor(lease / 3)
+local fields = redis.call('HGETALL', KEYS[1])
+for i = 1, #fields, 2 do
+  local name, ends = fields[i], nil
+  local kind = string.sub(name, 1, 2)
+  if name == 'we' or (kind == 'q:' and name ~= 'q:' .. tostring(id)) then
+    ends = tonumber(fields[i + 1])
+  elseif kind == 'r:' then
+    ends = tonumber(string.match(fields[i + 1], '^(%d+)'))
   end
-  return 0
+  if ends and ends - now + 1 < wait then wait = ends - now + 1 end
 end
-if ARGV[5] then
-  redis.call('ZREM', KEYS[3], secret)
-  redis.call('HDEL', KEYS[1], 'q:' .. secret)
-end
-local token = new_token()
-redis.call('HSET', KEYS[1], 'w', secret, 'wc', 1, 'wt', token, 'wi', ARGV[4], 'we', string.format('%d', now + lease))
-keep(KEYS[1], lease)
-return tonumber(token)
+return -math.max(wait, 1)
 """
 )
 
@@ -122,7 +188,7 @@ else
   if not entry then return 0 end
   local ends, count, rest = string.match(entry, '^(%d+) (%d+) (.*)$')
   if tonumber(ends) <= now then
-    redis.call('HDEL', KEYS[1], field)
+    redis.call('HDEL', KEYS[1], field, 'g' .. field)
     return 0
   end
   redis.call('HSET', KEYS[1], field, string.format('%d %d %s', now + lease, tonumber(count) + more, rest))
@@ -133,7 +199,7 @@ return 1
 )
 
 # ARGV[1] the owner's secret, ARGV[2] the mode
-# return the holds left (0: released), -1 if the owner does not hold that side
+# return the holds left (0: released, and the queue served), -1 if the owner does not hold that side
 RW_RELEASE = (
     COMMON
     + """
@@ -141,56 +207,80 @@ local secret = ARGV[1]
 if ARGV[2] == 'write' then
   if writer() ~= secret then return -1 end
   local count = redis.call('HINCRBY', KEYS[1], 'wc', -1)
-  if count <= 0 then redis.call('HDEL', KEYS[1], 'w', 'wc', 'wt', 'wi', 'we') end
-  return math.max(count, 0)
-end
-local field = 'r:' .. secret
-local entry = redis.call('HGET', KEYS[1], field)
-if not entry then return -1 end
-local ends, count, rest = string.match(entry, '^(%d+) (%d+) (.*)$')
-if tonumber(ends) <= now then
-  redis.call('HDEL', KEYS[1], field)
-  return -1
-end
-count = tonumber(count) - 1
-if count > 0 then
-  redis.call('HSET', KEYS[1], field, string.format('%s %d %s', ends, count, rest))
+  if count > 0 then return count end
+  redis.call('HDEL', KEYS[1], 'w', 'wc', 'wt', 'wi', 'we', 'gw')
 else
-  redis.call('HDEL', KEYS[1], field)
+  local field = 'r:' .. secret
+  local entry = redis.call('HGET', KEYS[1], field)
+  if not entry then return -1 end
+  local ends, count, rest = string.match(entry, '^(%d+) (%d+) (.*)$')
+  if tonumber(ends) <= now then
+    redis.call('HDEL', KEYS[1], field, 'g' .. field)
+    return -1
+  end
+  count = tonumber(count) - 1
+  if count > 0 then
+    redis.call('HSET', KEYS[1], field, string.format('%s %d %s', ends, count, rest))
+    return count
+  end
+  redis.call('HDEL', KEYS[1], field, 'g' .. field)
 end
-return count
+if redis.call('EXISTS', KEYS[3]) == 0 then return 0 end
+"""
+    + QUEUE
+    + """
+pass_on()
+return 0
 """
 )
 
-# ARGV[1] a waiting writer's secret: it gives up waiting
-RW_ABANDON = """
-redis.call('ZREM', KEYS[3], ARGV[1])
-redis.call('HDEL', KEYS[1], 'q:' .. ARGV[1])
-return 1
-"""
-
-# ARGV[1] the token of the hold to free ('': the writer, else any reader)
-# return 1 if a hold was freed
-RW_FORCE_RELEASE = (
+# A waiter gives up, or its process got a hand-over for a waiter it no longer has:
+# ARGV[1] the waiter's id, ARGV[2] its queue entry ('' if none).
+# It leaves the queue; a hold handed to it and not taken is given back, and the queue served.
+# return 1 if it gave back a hold handed to it
+RW_ABANDON = (
     COMMON
+    + QUEUE
     + """
-local w = writer()
-local wanted = ARGV[1]
-if w and (wanted == '' or redis.call('HGET', KEYS[1], 'wt') == wanted) then
-  redis.call('HDEL', KEYS[1], 'w', 'wc', 'wt', 'wi', 'we')
-  return 1
-end
+local id = ARGV[1]
+if ARGV[2] ~= '' then redis.call('ZREM', KEYS[3], ARGV[2]) end
+redis.call('HDEL', KEYS[1], 'q:' .. id)
+local given = 0
 local fields = redis.call('HGETALL', KEYS[1])
 for i = 1, #fields, 2 do
-  if string.sub(fields[i], 1, 2) == 'r:' then
-    local ends, token = string.match(fields[i + 1], '^(%d+) %d+ (%d+)')
-    if tonumber(ends) > now and (wanted == '' or token == wanted) then
-      redis.call('HDEL', KEYS[1], fields[i])
-      return 1
+  if string.sub(fields[i], 1, 1) == 'g' and fields[i + 1] == id then
+    drop(string.sub(fields[i], 2))
+    given = 1
+  end
+end
+pass_on()
+return given
+"""
+)
+
+# ARGV[1] the token of the hold to free ('': the writer, else any reader)
+# return 1 if a hold was freed (and the queue served)
+RW_FORCE_RELEASE = (
+    COMMON
+    + QUEUE
+    + """
+local wanted = ARGV[1]
+local freed = nil
+if writer() and (wanted == '' or redis.call('HGET', KEYS[1], 'wt') == wanted) then
+  freed = 'w'
+else
+  local fields = redis.call('HGETALL', KEYS[1])
+  for i = 1, #fields, 2 do
+    if not freed and string.sub(fields[i], 1, 2) == 'r:' then
+      local ends, token = string.match(fields[i + 1], '^(%d+) %d+ (%d+)')
+      if tonumber(ends) > now and (wanted == '' or token == wanted) then freed = fields[i] end
     end
   end
 end
-return 0
+if not freed then return 0 end
+drop(freed)
+pass_on()
+return 1
 """
 )
 

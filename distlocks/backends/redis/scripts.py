@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from distlocks.backends.redis.rwscripts import SCRIPTS as RW_SCRIPTS
+
 # Give the lock to an owner: a new fencing token, one hold, the lease. The
 # token is never below the server's clock in microseconds, so that a counter
 # that comes back stale (a restart from an RDB snapshot, a failover to a
@@ -191,6 +193,7 @@ SCRIPTS = {
     "force_release": FORCE_RELEASE,
     "raise_token": RAISE_TOKEN,
     "acquire_at_least": ACQUIRE_AT_LEAST,
+    **RW_SCRIPTS,  # the read-write locks'
 }
 
 

@@ -123,7 +123,7 @@ class ZooKeeperBackend(BaseLockBackend):
                 include_data=True,
             )
             return str(path), int(stat.czxid)
-        except BackendUnavailable:
+        except BaseException:  # unavailable, or interrupted (a signal handler raised) while it waited
             self._session().orphan(f"{self._parent(key)}/{mark}")
             raise
 
@@ -424,7 +424,7 @@ class ZooKeeperBackend(BaseLockBackend):
         holder, _, count = data.decode(errors="replace").rpartition("|")
         return LockInfo(
             alias=self.alias,
-            name=unescape(escaped),
+            key=unescape(escaped),
             owner=holder,
             hold_count=int(count) if count.isdigit() else 1,
             token=int(stat.czxid),

@@ -186,10 +186,14 @@ class Session:
                 continue
             except (ConnectionLoss, ConnectionClosedError) as exc:
                 raise self.unavailable(exc) from exc
-            except client.handler.timeout_exception as exc:
+            except BaseException as exc:
+                # Timed out, or interrupted while it waited (a signal handler raised):
+                # a create that completes after we gave up is deleted again.
                 if operation == "create":
                     pending.rawlink(lambda done: _delete_late(client, done))
-                raise self.unavailable(exc) from exc
+                if isinstance(exc, client.handler.timeout_exception):
+                    raise self.unavailable(exc) from exc
+                raise
             self.heard(sent)
             return result
 

@@ -11,7 +11,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from distlocks.inspection import held_locks
 
-COLUMNS = ("alias", "name", "kind", "owner", "hold_count", "token", "lease_left", "waiters")
+COLUMNS = ("alias", "key", "kind", "owner", "hold_count", "token", "lease_left", "waiters")
 
 
 def _cell(value: Any) -> str:

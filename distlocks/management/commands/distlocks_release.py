@@ -14,12 +14,14 @@ from distlocks.inspection import READ_WRITE, force_release, holder
 
 class Command(BaseCommand):
     help = (
-        "Force-release the lock NAME (as distlocks_list shows it), whoever holds it. "
+        "Force-release the lock KEY (as distlocks_list shows it), whoever holds it. "
         "Its holder gets LockLost when it next renews or releases."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("name", help="The lock's name, as distlocks_list prints it.")
+        parser.add_argument(
+            "key", help="The lock's key, as distlocks_list prints it (its name with the alias's KEY_PREFIX)."
+        )
         parser.add_argument("--using", default=DEFAULT_ALIAS, help="The DISTLOCKS alias (default: %(default)s).")
         parser.add_argument(
             "--token",
@@ -36,35 +38,35 @@ class Command(BaseCommand):
         parser.add_argument("--yes", action="store_true", help="Do not ask for confirmation.")
 
     def handle(
-        self, *args: Any, name: str, using: str, token: int | None, kind: str | None, yes: bool, **options: Any
+        self, *args: Any, key: str, using: str, token: int | None, kind: str | None, yes: bool, **options: Any
     ) -> None:
         kind = kind or "lock"
         try:
             if token is None:
-                token, holder = self._holder(using, name, kind)
+                token, holder = self._holder(using, key, kind)
             else:
                 holder = f"token {token}"
             if not yes:
                 try:
-                    answer = input(f"Force-release {name!r} on {using!r} ({holder})? Its holder loses it. [y/N] ")
+                    answer = input(f"Force-release {key!r} on {using!r} ({holder})? Its holder loses it. [y/N] ")
                 except EOFError:  # no terminal to ask: do nothing
                     answer = ""
                 if answer.strip().lower() not in ("y", "yes"):
                     raise CommandError("Not released.")
             # Only the acquisition looked at: one taken since then stays with its new holder.
-            released = force_release(using, name, token, kind=kind)
+            released = force_release(using, key, token, kind=kind)
         except (ImproperlyConfigured, LockError) as exc:
             raise CommandError(f"{using}: {exc}") from exc
         if not released:
-            raise CommandError(f"{using}: {name!r} is not held" + (f" with token {token}" if token is not None else ""))
-        self.stdout.write(f"{using}: released {name!r}")
+            raise CommandError(f"{using}: {key!r} is not held" + (f" with token {token}" if token is not None else ""))
+        self.stdout.write(f"{using}: released {key!r}")
 
-    def _holder(self, using: str, name: str, kind: str) -> tuple[int | None, str]:
+    def _holder(self, using: str, key: str, kind: str) -> tuple[int | None, str]:
         """The current acquisition's token and a description of its holder."""
         try:
-            info = holder(using, name, kind)
+            info = holder(using, key, kind)
         except NotImplementedError:
             return None, "whoever holds it"
         if info is None:
-            raise CommandError(f"{using}: {name!r} is not held")
+            raise CommandError(f"{using}: {key!r} is not held")
         return info.token, f"held by {info.owner or '?'}, token {info.token}"

@@ -1,0 +1,107 @@
+"""An exception raised by a signal handler while a lock is being taken or waited for.
+
+Celery's soft time limit raises ``SoftTimeLimitExceeded`` from a signal
+handler in the worker process, which goes on to run the next task; an alarm
+set around a slow call does the same. The lock must not be left taken by the
+abandoned request: a server session (or ZooKeeper node) nobody tracks would
+hold it for as long as the process lives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+
+import pytest
+from django.db import connections
+
+import distlocks
+from distlocks.handler import locks
+from tests.conftest import DB, NATIVE_ALIASES, Holder
+from tests.faults import test_zookeeper
+from tests.faults.conftest import free_elsewhere
+from tests.faults.test_native import queued, until
+from tests.faults.test_zookeeper import own_aliases
+
+pytestmark = DB
+zk_server = test_zookeeper.zk_server  # a ZooKeeper of the test's own, to freeze
+
+
+class Interrupted(Exception):
+    """What the signal handler raises (as Celery's SoftTimeLimitExceeded, an Exception)."""
+
+
+@contextlib.contextmanager
+def raising_on(signum):
+    """While the block runs, ``signum`` raises Interrupted in the thread that handles it (the main thread)."""
+
+    def handler(signum, frame):
+        raise Interrupted
+
+    previous = signal.signal(signum, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signum, previous)
+
+
+def interrupt_main_when(condition, then=lambda: None):
+    """In a thread: once ``condition()``, send the main thread SIGALRM, then call ``then()``."""
+    main = threading.main_thread().ident
+
+    def run():
+        try:
+            until(condition, what="the main thread waiting")
+            signal.pthread_kill(main, signal.SIGALRM)
+            then()
+        finally:
+            connections.close_all()  # this thread's, which the test databases' teardown would wait for
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("alias", NATIVE_ALIASES, indirect=True)
+def test_a_waiter_interrupted_in_the_servers_queue_leaves_the_lock_free(alias, name):
+    # The handler runs once the main thread is back in Python: after the server
+    # gave its session the lock, which nothing tracks any more.
+    holder = Holder(name, alias)
+    with raising_on(signal.SIGALRM):
+        helper = interrupt_main_when(lambda: queued(alias, name) == 1, then=holder.release)
+        with pytest.raises(Interrupted):
+            distlocks.lock(name, using=alias).acquire(wait=20)
+        helper.join(30)
+    assert holder.error is None
+    until(lambda: free_elsewhere(name, alias), seconds=10, what="the lock coming free")
+
+
+def create_in_flight(alias):
+    """Whether the alias's ZooKeeper client sent a create that has no answer yet."""
+    client = locks[alias]._session().client
+    return any(type(request).__name__.startswith("Create") for request, _, _ in list(client._pending))
+
+
+@pytest.mark.servers("zookeeper")
+@pytest.mark.parametrize("kind", ["lock", "write"])
+def test_a_create_interrupted_while_the_server_is_frozen_leaves_no_node(zk_server, settings, name, kind):
+    alias, other = own_aliases(settings, zk_server, "own", "other", SESSION_TIMEOUT=20, CONNECT_TIMEOUT=5)
+
+    def lock(using):
+        if kind == "lock":
+            return distlocks.lock(name, using=using)
+        return distlocks.read_write_lock(name, using=using).write()
+
+    zk_server.freeze()
+    try:
+        with raising_on(signal.SIGALRM):
+            helper = interrupt_main_when(lambda: create_in_flight(alias))
+            with pytest.raises(Interrupted):
+                lock(alias).acquire(wait=0)
+            helper.join(30)
+    finally:
+        zk_server.thaw()
+    # The server creates the node now, in a session that lives on: it must be deleted again.
+    assert lock(other).acquire(wait=10)
+    lock(other).release()
