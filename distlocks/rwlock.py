@@ -76,9 +76,7 @@ class _Side(BaseLockBackend):
         return self.backend.rw_holder(self._key(key), self.mode)
 
     def async_turn(self, key: str) -> AsyncTurn:
-        from distlocks.aiokinds import SideTurn
-
-        return SideTurn(self._key(key), self.mode)
+        return self.backend.rw_async_turn(self._key(key), self.mode)
 
 
 def side(backend: BaseLockBackend, mode: str) -> BaseLockBackend:

@@ -10,6 +10,7 @@ import pytest
 
 import distlocks
 from distlocks.aio import POOL_SIZE
+from distlocks.handler import locks
 from distlocks.inspection import held_locks, holder
 
 from .conftest import ALIASES, DB, PROCESS_ALIASES, Holder
@@ -22,7 +23,7 @@ pytestmark = DB
 
 def held_here(alias, name):
     """The locks held on ``alias`` whose name contains ``name`` (permits, members, sides), from a thread."""
-    return [info for info in held_locks([alias]).locks if name in info.name and "#permits" not in info.name]
+    return [info for info in held_locks([alias]).locks if name in info.key and "#permits" not in info.key]
 
 
 async def held_now(alias, name):
@@ -369,3 +370,23 @@ def test_tasks_in_several_processes_exclude_each_other_as_the_kind_says(
         assert sum(entries.values()) == processes * tasks * rounds
     else:
         assert int(path.read_text()) == processes * tasks * rounds  # no lost update: one task inside at a time
+
+
+@pytest.mark.parametrize("alias", ["redis"], indirect=True)
+def test_on_redis_a_waiting_writer_task_joins_the_queue_and_cancelling_it_takes_it_out(alias, leave_nothing, name):
+    rw = distlocks.aread_write_lock(name, using=alias)
+    client, queue = locks[alias].client, locks[alias]._rw_keys(rw.rw.key)[2]
+
+    async def main():
+        reader = Holder(name, alias, lock=distlocks.read_write_lock(name, using=alias).read())
+        writing = asyncio.create_task(rw.write().acquire(wait=60))
+        await until_true(lambda: client.zcard(queue) == 1)  # queued as a waiting thread is, handed its turn on the loop
+        writing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await writing
+        await until_true(lambda: client.zcard(queue) == 0, timeout=5)
+        assert reader.release() is None
+        assert await rw.write().acquire(wait=0)  # nothing was handed to the cancelled writer
+        await rw.write().release()
+
+    run(main())
