@@ -3,6 +3,14 @@
 from __future__ import annotations
 
 from distlocks.aio import AsyncDistributedLock, alock
+from distlocks.aiokinds import (
+    AsyncMultiLock,
+    AsyncReadWriteLock,
+    AsyncSemaphore,
+    amulti_lock,
+    aread_write_lock,
+    asemaphore,
+)
 from distlocks.exceptions import (
     BackendUnavailable,
     LockError,
@@ -18,6 +26,9 @@ from distlocks.semaphore import Semaphore, semaphore
 
 __all__ = [
     "AsyncDistributedLock",
+    "AsyncMultiLock",
+    "AsyncReadWriteLock",
+    "AsyncSemaphore",
     "BackendUnavailable",
     "DistributedLock",
     "LockError",
@@ -29,6 +40,9 @@ __all__ = [
     "Semaphore",
     "StaleToken",
     "alock",
+    "amulti_lock",
+    "aread_write_lock",
+    "asemaphore",
     "lock",
     "multi_lock",
     "read_write_lock",

@@ -26,9 +26,10 @@ import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar, overload
 
 from distlocks.backends.base import AsyncTurn, check_wait
+from distlocks.exceptions import LockNotAcquired
 from distlocks.handler import DEFAULT_ALIAS, locks
 from distlocks.holds import Hold, acting_for
 from distlocks.lock import _DEFAULT, DistributedLock
@@ -105,7 +106,68 @@ def _current() -> _TaskState:
     return state
 
 
-class AsyncDistributedLock:
+def in_pool(func: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+    """Run ``func(*args)`` in the pool, acting as the calling task."""
+    return _submit(_current(), func, *args)
+
+
+A = TypeVar("A", bound="AsyncLockAPI")
+
+
+class AsyncLockAPI:
+    """``async with`` for every kind of async lock, built on its ``acquire()`` and ``release()``."""
+
+    wait: float | None
+    #: The sync lock of the kind, whose steps the pool runs as the task.
+    sync: Any
+
+    async def acquire(self, wait: float | None = _DEFAULT) -> bool:
+        raise NotImplementedError("subclasses of AsyncLockAPI must provide an acquire() method")
+
+    async def release(self) -> None:
+        raise NotImplementedError("subclasses of AsyncLockAPI must provide a release() method")
+
+    def _not_acquired(self, wait: float | None) -> LockNotAcquired:
+        raise NotImplementedError("subclasses of AsyncLockAPI must provide a _not_acquired() method")
+
+    async def __aenter__(self: A) -> A:
+        if not await self.acquire():
+            raise self._not_acquired(self.wait)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.release()
+
+
+class TaskView(Generic[T]):
+    """A read-only property of an async lock: its sync lock's of the same name, read as the calling task (no request)."""
+
+    def __init__(self, doc: str) -> None:
+        self.__doc__ = doc
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, objtype: type) -> TaskView[T]: ...
+
+    @overload
+    def __get__(self, obj: AsyncLockAPI, objtype: type | None = None) -> T: ...
+
+    def __get__(self, obj: AsyncLockAPI | None, objtype: type | None = None) -> T | TaskView[T]:
+        if obj is None:
+            return self
+        with _current().acting():
+            return getattr(obj.sync, self.name)
+
+
+class AsyncDistributedLock(AsyncLockAPI):
     """A named lock for asyncio code: the same lock as ``lock()`` with the same name and alias.
 
     Ownership, hold count and token belong to the calling task, so one object
@@ -113,6 +175,8 @@ class AsyncDistributedLock:
     ``await release()``; ``token``, ``hold_count`` and ``lost`` read the calling
     task's hold without a request.
     """
+
+    lock: DistributedLock
 
     def __init__(
         self,
@@ -124,6 +188,15 @@ class AsyncDistributedLock:
         renew: bool = True,
     ) -> None:
         self.lock = DistributedLock(name, using=using, ttl=ttl, wait=wait, renew=renew)
+        self.wait = self.lock.wait
+
+    @classmethod
+    def of(cls, lock: DistributedLock) -> AsyncDistributedLock:
+        """The async form of ``lock`` (a read-write lock's side, a semaphore's permit): the same lock, held by tasks."""
+        made = cls.__new__(cls)
+        made.lock = lock
+        made.wait = lock.wait
+        return made
 
     @property
     def name(self) -> str:
@@ -133,30 +206,19 @@ class AsyncDistributedLock:
     def alias(self) -> str:
         return self.lock.alias
 
-    @property
-    def wait(self) -> float | None:
-        return self.lock.wait
-
     def __repr__(self) -> str:
-        return f"<AsyncDistributedLock {self.name!r} using={self.alias!r} ttl={self.lock.ttl} wait={self.wait}>"
+        return f"<async {type(self.lock).__name__} {self.name!r} using={self.alias!r} ttl={self.lock.ttl} wait={self.wait}>"
+
+    def _not_acquired(self, wait: float | None) -> LockNotAcquired:
+        return self.lock._not_acquired(wait)
 
     @property
-    def token(self) -> int:
-        """The calling task's fencing token; raise LockNotOwned if it does not hold the lock."""
-        with _current().acting():
-            return self.lock.token
+    def sync(self) -> DistributedLock:
+        return self.lock
 
-    @property
-    def hold_count(self) -> int:
-        """How many times the calling task holds the lock (0: not held)."""
-        with _current().acting():
-            return self.lock.hold_count
-
-    @property
-    def lost(self) -> bool:
-        """True if the calling task held the lock and its lease was lost."""
-        with _current().acting():
-            return self.lock.lost
+    token = TaskView[int]("The calling task's fencing token; raise LockNotOwned if it does not hold the lock.")
+    hold_count = TaskView[int]("How many times the calling task holds the lock (0: not held).")
+    lost = TaskView[bool]("True if the calling task held the lock and its lease was lost.")
 
     async def acquire(self, wait: float | None = _DEFAULT) -> bool:
         """Acquire the lock, waiting at most ``wait`` seconds on the event loop; return True if acquired.
@@ -169,13 +231,13 @@ class AsyncDistributedLock:
         wait = self.wait if wait is _DEFAULT else check_wait(wait)
         deadline = None if wait is None else called + wait
         state = _current()
-        turn = locks[self.alias].async_turn(self.lock.key)
+        turn = self.lock.primitives(locks[self.alias]).async_turn(self.lock.key)
         attempt = 0
         tried: asyncio.Future[bool] | None = None
         try:
             while True:
                 tried = _submit(state, self.lock._acquire, 0, called, False, turn)
-                if await self._attempt(state, tried):
+                if await attempt_or_undo(tried, self.lock.release):
                     return True
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
@@ -187,17 +249,9 @@ class AsyncDistributedLock:
             if tried is None or tried.done():
                 leaving = self._end(state, turn, tried)
                 if leaving is not None:
-                    await _finish(leaving)
+                    await finish(leaving)
             else:  # cancelled during an attempt: the wait ends with it, without holding up the task
                 tried.add_done_callback(lambda _: self._end(state, turn, tried))
-
-    async def _attempt(self, state: _TaskState, attempt: asyncio.Future[bool]) -> bool:
-        """Await one attempt in the pool; if the task is cancelled meanwhile, release what it took."""
-        try:
-            return await asyncio.shield(attempt)
-        except asyncio.CancelledError:
-            attempt.add_done_callback(functools.partial(self._undo, state))
-            raise
 
     def _end(
         self, state: _TaskState, turn: AsyncTurn, tried: asyncio.Future[bool] | None
@@ -207,26 +261,9 @@ class AsyncDistributedLock:
         leave = turn.end(acquired)
         return None if leave is None else _submit(state, lambda: leave(locks[self.alias]))
 
-    def _undo(self, state: _TaskState, attempt: asyncio.Future[bool]) -> None:
-        if not attempt.cancelled() and attempt.exception() is None and attempt.result():
-            _pool.get().submit(state.run, self.lock.release)
-
     async def release(self) -> None:
         """Release one hold, as ``DistributedLock.release``; it completes even if the task is cancelled meanwhile."""
-        await _finish(_submit(_current(), self.lock.release))
-
-    async def __aenter__(self) -> AsyncDistributedLock:
-        if not await self.acquire():
-            raise self.lock._not_acquired(self.wait)
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.release()
+        await finish(in_pool(self.lock.release))
 
 
 def _submit(state: _TaskState, func: Callable[..., T], *args: Any) -> asyncio.Future[T]:
@@ -234,7 +271,23 @@ def _submit(state: _TaskState, func: Callable[..., T], *args: Any) -> asyncio.Fu
     return asyncio.get_running_loop().run_in_executor(_pool.get(), state.run, func, *args)
 
 
-async def _finish(call: asyncio.Future[T]) -> T:
+async def attempt_or_undo(attempt: asyncio.Future[T], undo: Callable[[], object]) -> T:
+    """Await an ``attempt`` running in the pool; if the task is cancelled meanwhile and it ends taking the lock
+    (it returns True), ``undo()`` that."""
+    state = _current()
+    try:
+        return await asyncio.shield(attempt)
+    except asyncio.CancelledError:
+        attempt.add_done_callback(functools.partial(_undo, state, undo))
+        raise
+
+
+def _undo(state: _TaskState, undo: Callable[[], object], attempt: asyncio.Future[Any]) -> None:
+    if not attempt.cancelled() and attempt.exception() is None and attempt.result() is True:
+        _pool.get().submit(state.run, undo)
+
+
+async def finish(call: asyncio.Future[T]) -> T:
     """Await ``call``, which runs on to its end even if the task is cancelled meanwhile."""
     try:
         return await asyncio.shield(call)

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from distlocks.backends.base import BaseLockBackend, LockInfo, check_name_and_alias
+from distlocks.backends.base import AsyncTurn, BaseLockBackend, LockInfo, check_name_and_alias
 from distlocks.handler import DEFAULT_ALIAS, locks
 from distlocks.holds import holds
-from distlocks.lock import _DEFAULT, DistributedLock
+from distlocks.lock import DistributedLock
 from distlocks.owner import Owner
 
 #: The prefix of a read-write lock's name on its backend (as ``sem:`` is the semaphore's).
@@ -75,6 +75,9 @@ class _Side(BaseLockBackend):
     def holder(self, key: str) -> LockInfo | None:
         return self.backend.rw_holder(self._key(key), self.mode)
 
+    def async_turn(self, key: str) -> AsyncTurn:
+        return self.backend.rw_async_turn(self._key(key), self.mode)
+
 
 def side(backend: BaseLockBackend, mode: str) -> BaseLockBackend:
     """``backend``'s primitives for the ``mode`` side, made once per backend instance (one per thread)."""
@@ -109,13 +112,15 @@ class WriteLock(ReadLock):
     def _message(self, what: str) -> str:
         return f"Write lock {self.name!r} on {self.alias!r} {what}"
 
-    def acquire(self, wait: float | None = _DEFAULT) -> bool:
-        """Acquire the write side (see ``DistributedLock.acquire``); ValueError if this thread is reading."""
+    def _acquire(
+        self, wait: float | None, called: float, tell_not_acquired: bool = True, turn: AsyncTurn | None = None
+    ) -> bool:
+        """Acquire the write side (see ``DistributedLock.acquire``); ValueError if this thread (task) is reading."""
         if (self.alias, self.read_key) in holds() and (self.alias, self.key) not in holds():
             raise ValueError(
                 self._message("is asked for by a thread that holds its read side: release the read lock first")
             )
-        return super().acquire(wait)
+        return super()._acquire(wait, called, tell_not_acquired, turn)
 
 
 class ReadWriteLock:

@@ -133,11 +133,31 @@ class Semaphore(LockAPI):
         the server cannot be reached.
         """
         wait = self.wait if wait is _DEFAULT else check_wait(wait)
+        deadline = None if wait is None else time.monotonic() + wait
+        order = self._try_first(wait)
+        if isinstance(order, bool):
+            return order
+        with acting_as(self._owner()):
+            if not self.queue.acquire(wait=self._left(deadline)):
+                return False
+            try:
+                attempt = 0
+                while True:
+                    step = self._next_wait(order, attempt, deadline)
+                    if isinstance(step, bool):
+                        return step
+                    if step[0].acquire(wait=step[1]):
+                        return True
+                    attempt += 1
+            finally:
+                self._leave_queue()
+
+    def _try_first(self, wait: float | None) -> bool | list[DistributedLock]:
+        """The steps of ``acquire`` that never wait: True or False once decided, else the permits to wait for, in order."""
         permit = self._permit()
         if permit is not None:
             return permit.acquire(wait=0)  # re-entry: never waits
         self._agree()
-        deadline = None if wait is None else time.monotonic() + wait
         start = random.randrange(self.permits)
         order = self.slots[start:] + self.slots[:start]
         with acting_as(self._owner()):
@@ -146,17 +166,30 @@ class Semaphore(LockAPI):
             if wait == 0:
                 return self._try_each(order[FIRST_TRIES:])
             self._check_holders(order)
-            if not self.queue.acquire(wait=self._left(deadline)):
-                return False
-            try:
-                return self._wait_first(order, deadline)
-            finally:
-                # The permit is what the caller asked for: a queue lock that
-                # cannot be released runs out by itself.
-                try:
-                    self.queue.release()
-                except LockError as exc:
-                    logger.warning("%s", self._message(f"could not release its queue lock: {exc}"))
+        return order
+
+    def _next_wait(
+        self, order: list[DistributedLock], attempt: int, deadline: float | None
+    ) -> bool | tuple[DistributedLock, float]:
+        """First in the queue, try each permit: True if one is taken, False if time is up, else (the permit to wait on, how long).
+
+        Each round waits on the next permit in turn, a little longer each round.
+        """
+        if self._try_each(order):
+            return True
+        left = self._left(deadline)
+        if left == 0:
+            return False
+        spell = 0.05 * 2 ** min(attempt, 3)
+        return order[attempt % self.permits], spell if left is None else min(spell, left)
+
+    def _leave_queue(self) -> None:
+        # The permit is what the caller asked for: a queue lock that cannot be
+        # released runs out by itself.
+        try:
+            self.queue.release()
+        except LockError as exc:
+            logger.warning("%s", self._message(f"could not release its queue lock: {exc}"))
 
     @staticmethod
     def _left(deadline: float | None) -> float | None:
@@ -165,20 +198,6 @@ class Semaphore(LockAPI):
     @staticmethod
     def _try_each(order: list[DistributedLock]) -> bool:
         return any(slot.acquire(wait=0) for slot in order)
-
-    def _wait_first(self, order: list[DistributedLock], deadline: float | None) -> bool:
-        """First in the queue: wait on each permit in turn, a little longer each round, until one is taken."""
-        attempt = 0
-        while True:
-            if self._try_each(order):
-                return True
-            left = self._left(deadline)
-            if left == 0:
-                return False
-            spell = 0.05 * 2 ** min(attempt, 3)
-            if order[attempt % self.permits].acquire(wait=spell if left is None else min(spell, left)):
-                return True
-            attempt += 1
 
     def _agree(self) -> None:
         """Make sure every user of the name passes the same ``permits``: raise ValueError if not.

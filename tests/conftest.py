@@ -205,10 +205,10 @@ def queue_waiters(name, alias, labels, *, gap, hold=0.0, queued=None):
 
 
 class Holder:
-    """Hold a lock in a thread of its own until ``release()``, which returns what releasing raised."""
+    """Hold a lock (or ``lock``, any kind) in a thread of its own until ``release()``, which returns what releasing raised."""
 
-    def __init__(self, name, alias="default", thread_name=None, **kwargs):
-        self.lock = distlocks.lock(name, using=alias, **kwargs)
+    def __init__(self, name, alias="default", thread_name=None, lock=None, **kwargs):
+        self.lock = lock or distlocks.lock(name, using=alias, **kwargs)
         self.acquired = threading.Event()
         self.go = threading.Event()
         self.error = None

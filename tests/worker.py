@@ -19,6 +19,7 @@ import django  # noqa: E402
 django.setup()
 
 import distlocks  # noqa: E402
+from distlocks.aio import AsyncLockAPI  # noqa: E402
 from distlocks.lock import LockAPI  # noqa: E402
 
 
@@ -72,6 +73,48 @@ def async_counter(alias: str, name: str, path: str, tasks: str, rounds: str, pro
 
     async def main() -> None:
         await asyncio.gather(*(count() for _ in range(int(tasks))))
+
+    asyncio.run(main())
+    say("done")
+
+
+def async_kind(kind: str, alias: str, name: str, path: str, tasks: str, rounds: str, processes: str) -> None:
+    """``tasks`` asyncio tasks on one loop take ``kind`` (an async semaphore of 2 permits, multi-lock or write side)
+    ``rounds`` times each; each logs its entry and exit to ``path`` (the semaphore) or counts in it (the others)."""
+    import asyncio
+    import random
+
+    file = Path(path)
+    Path(f"{path}.ready.{os.getpid()}").touch()
+    while len(list(file.parent.glob(f"{file.name}.ready.*"))) < int(processes):
+        time.sleep(0.01)
+
+    def make() -> AsyncLockAPI:
+        if kind == "semaphore":
+            return distlocks.asemaphore(name, 2, using=alias, ttl=30, wait=60)
+        if kind == "multi":
+            return distlocks.amulti_lock(random.sample([f"{name}-a", f"{name}-b"], 2), using=alias, ttl=30, wait=60)
+        return distlocks.aread_write_lock(name, using=alias, ttl=30, wait=60).write()
+
+    async def take(number: int) -> None:
+        lock = make()
+        for _ in range(int(rounds)):
+            async with lock:
+                if kind == "semaphore":
+                    with file.open("a") as log:
+                        log.write(f"enter {os.getpid()}.{number} {time.monotonic():.6f}\n")
+                    await asyncio.sleep(0.005)
+                    with file.open("a") as log:
+                        log.write(f"exit {os.getpid()}.{number} {time.monotonic():.6f}\n")
+                    continue
+                value = int(file.read_text())
+                await asyncio.sleep(0.002)  # the other tasks run meanwhile
+                scratch = file.with_name(f"{file.name}.{os.getpid()}")
+                scratch.write_text(str(value + 1))
+                os.replace(scratch, file)
+
+    async def main() -> None:
+        await asyncio.gather(*(take(number) for number in range(int(tasks))))
 
     asyncio.run(main())
     say("done")
@@ -415,6 +458,7 @@ if __name__ == "__main__":
     scenario, *arguments = sys.argv[1:]
     scenarios: dict[str, Callable[..., None]] = {
         "async_counter": async_counter,
+        "async_kind": async_kind,
         "counter": counter,
         "fenced_holder": fenced_holder,
         "fenced_race": fenced_race,

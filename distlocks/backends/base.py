@@ -290,6 +290,21 @@ class BaseLockBackend:
         """Note that ``owner`` is recorded as a writer waiting for ``key`` (``rw_end_wait`` forgets it)."""
         self._rw_waiters()[key] = owner.secret
 
+    def rw_async_turn(self, key: str, mode: str) -> AsyncTurn:
+        """A new async waiter for the ``mode`` side of ``key`` (see AsyncTurn; default: ``aiokinds.SideTurn``)."""
+        from distlocks.aiokinds import SideTurn
+
+        return SideTurn(key, mode)
+
+    def rw_keep_waiting(self, key: str, mode: str) -> str:
+        """An attempt of an acquire that goes on in another thread (an async one) ends: keep its record, if any.
+
+        Return the secret of the writer the attempt recorded as waiting ('' if
+        none), which ``rw_end_wait`` then leaves on the server; the acquire
+        ``rw_abandon``s it when it gives up.
+        """
+        return self._rw_waiters().pop(key, "")
+
     def rw_abandon(self, key: str, secret: str) -> None:
         """Delete the record of the writer ``secret`` waiting for ``key``: new readers need not wait for it."""
 

@@ -170,20 +170,26 @@ async def _until(event: asyncio.Event, timeout: float) -> None:
 
 
 class RedisTurn(AsyncTurn):
-    """A task's wait for one lock on Redis, as ``RedisBackend.wait`` does a thread's."""
+    """A task's wait for one lock (or, with ``mode``, a read-write lock's side) on Redis, as ``RedisBackend.wait`` does a thread's."""
 
-    def __init__(self, backend: RedisBackend, key: str) -> None:
+    def __init__(self, backend: RedisBackend, key: str, mode: str = "") -> None:
         self.server = (backend.cache, backend.address)
         self.make_client = lambda: backend.client
         self.key = key
+        self.mode = mode
+        self.slot = backend._rw_keys(key)[0] if mode else key  # where an attempt leaves its hint
         self.releases: LoopReleases | None = None
         self.waiter: AsyncWaiter | None = None
         self.hint = 1.0  # how long the last attempt said to wait at most
 
     def try_acquire(self, backend: BaseLockBackend, key: str, owner: Owner, ttl: float) -> int | None:
+        backend = getattr(backend, "backend", backend)  # a read-write lock's side (rwlock) wraps its backend
         assert isinstance(backend, RedisBackend)
-        token = backend.try_acquire_as(key, owner, ttl, self.waiter)
-        self.hint = backend._wait_hint.pop(key, 1.0)
+        if self.mode:
+            token = backend.rw_acquire_as(self.key, owner, ttl, self.mode, self.waiter)
+        else:
+            token = backend.try_acquire_as(key, owner, ttl, self.waiter)
+        self.hint = backend._wait_hint.pop(self.slot, 1.0)
         return token
 
     async def wait(self, attempt: int, remaining: float | None) -> None:
@@ -206,10 +212,10 @@ class RedisTurn(AsyncTurn):
         self.releases.discharge(waiter)
         if acquired or not waiter.entry:
             return None
-        key = self.key
+        key, mode = self.key, self.mode
 
         def leave(backend: BaseLockBackend) -> None:
             assert isinstance(backend, RedisBackend)
-            backend.leave_queue(key, waiter)
+            backend.leave_queue(key, waiter, mode)
 
         return leave

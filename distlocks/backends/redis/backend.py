@@ -230,9 +230,12 @@ class RedisBackend(BaseLockBackend):
             self._leave(abandon, keys, waiter)
         self._releases().discharge(waiter)
 
-    def leave_queue(self, key: str, waiter: Waiter) -> None:
-        """Take ``waiter`` out of the lock's queue, passing on the lock if a release handed it over meanwhile."""
-        self._leave("abandon", self._keys(key), waiter)
+    def leave_queue(self, key: str, waiter: Waiter, mode: str = "") -> None:
+        """Take ``waiter`` out of the queue of the lock (of the read-write lock, with ``mode``), passing on what a release handed it meanwhile."""
+        if mode:
+            self._leave("rw_abandon", self._rw_keys(key), waiter)
+        else:
+            self._leave("abandon", self._keys(key), waiter)
 
     def _leave(self, abandon: str, keys: Sequence[str], waiter: Waiter) -> None:
         if waiter.entry:
@@ -257,10 +260,18 @@ class RedisBackend(BaseLockBackend):
         return self._call(script, self._rw_keys(key), args)
 
     def rw_acquire(self, key: str, owner: Owner, ttl: float, mode: str) -> int | None:
+        return self.rw_acquire_as(key, owner, ttl, mode, self._waiting.get(self._rw_keys(key)[0]))
+
+    def rw_acquire_as(self, key: str, owner: Owner, ttl: float, mode: str, waiter: Waiter | None) -> int | None:
+        """One attempt at the ``mode`` side, by ``waiter`` if it waits (a thread's, or an async task's)."""
         keys = self._rw_keys(key)
-        waiter = self._waiting.get(keys[0])
         renew = lambda: self.rw_extend(key, owner, ttl, mode)  # noqa: E731
         return self._attempt("rw_acquire", keys, [mode], keys[0], owner, ttl, waiter, renew, mode)
+
+    def rw_async_turn(self, key: str, mode: str) -> AsyncTurn:
+        from distlocks.backends.redis.aiowait import RedisTurn
+
+        return RedisTurn(self, key, mode)
 
     def rw_begin_wait(self, key: str, mode: str) -> None:
         self.begin_wait(self._rw_keys(key)[0])

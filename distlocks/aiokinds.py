@@ -1,0 +1,230 @@
+"""The other lock kinds for asyncio code: ``asemaphore()``, ``amulti_lock()``, ``aread_write_lock()``.
+
+Each wraps the sync kind (``Semaphore``, ``MultiLock``, ``ReadWriteLock``)
+and runs its steps that never wait in the async locks' pool, acting as the
+calling task (``aio.in_pool``), while every wait is an ``AsyncDistributedLock``'s
+on one of its member locks: on the event loop, holding no thread, and leaving
+nothing behind when the task is cancelled. Ownership belongs to the task.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+
+from distlocks.aio import AsyncDistributedLock, AsyncLockAPI, TaskView, attempt_or_undo, finish, in_pool
+from distlocks.backends.base import AsyncTurn, BaseLockBackend, check_wait
+from distlocks.exceptions import BackendUnavailable, LockNotAcquired
+from distlocks.handler import DEFAULT_ALIAS
+from distlocks.lock import _DEFAULT, DistributedLock
+from distlocks.multi import MultiLock
+from distlocks.owner import Owner
+from distlocks.rwlock import ReadWriteLock
+from distlocks.semaphore import Semaphore
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+class AsyncSemaphore(AsyncLockAPI):
+    """``Semaphore`` for asyncio code: at most ``permits`` holders (tasks or threads) of ``name`` at once.
+
+    The same semaphore as ``semaphore()`` with the same name, permits and
+    alias; a task holds at most one permit of it (again: one more hold).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        permits: int,
+        *,
+        using: str = DEFAULT_ALIAS,
+        ttl: float | None = None,
+        wait: float | None = None,
+        renew: bool = True,
+    ) -> None:
+        self.sync = Semaphore(name, permits, using=using, ttl=ttl, wait=wait, renew=renew)
+        self.name, self.permits, self.alias, self.wait = name, permits, using, self.sync.wait
+        self.queue = AsyncDistributedLock.of(self.sync.queue)
+
+    def __repr__(self) -> str:
+        return f"<AsyncSemaphore {self.name!r} permits={self.permits} using={self.alias!r} wait={self.wait}>"
+
+    def _not_acquired(self, wait: float | None) -> LockNotAcquired:
+        return self.sync._not_acquired(wait)
+
+    slot = TaskView[int]("Which permit the calling task holds; raise LockNotOwned if none.")
+    token = TaskView[int]("The fencing token of the calling task's permit; raise LockNotOwned if it holds none.")
+    hold_count = TaskView[int]("How many times the calling task holds its permit (0: none).")
+    lost = TaskView[bool]("True if the calling task's permit was lost.")
+
+    async def acquire(self, wait: float | None = _DEFAULT) -> bool:
+        """Take a permit, waiting at most ``wait`` seconds on the loop; return True if one was taken.
+
+        As ``Semaphore.acquire``: the first in the semaphore's queue waits on
+        each permit in turn. A cancelled task leaves no permit and no place in the queue.
+        """
+        sem = self.sync
+        wait = sem.wait if wait is _DEFAULT else check_wait(wait)
+        deadline = None if wait is None else time.monotonic() + wait
+        order = await attempt_or_undo(in_pool(sem._try_first, wait), sem.release)
+        if isinstance(order, bool):
+            return order
+        if not await self.queue.acquire(wait=_left(deadline)):
+            return False
+        try:
+            attempt = 0
+            while True:
+                step = await attempt_or_undo(in_pool(sem._next_wait, order, attempt, deadline), sem.release)
+                if isinstance(step, bool):
+                    return step
+                if await AsyncDistributedLock.of(step[0]).acquire(wait=step[1]):
+                    return True
+                attempt += 1
+        finally:
+            await finish(in_pool(sem._leave_queue))
+
+    async def release(self) -> None:
+        """Release one hold of the calling task's permit (see ``Semaphore.release``)."""
+        await finish(in_pool(self.sync.release))
+
+
+class AsyncMultiLock(AsyncLockAPI):
+    """``MultiLock`` for asyncio code: several locks held by the task all together or not at all."""
+
+    def __init__(
+        self,
+        names: list[str] | tuple[str, ...],
+        *,
+        using: str = DEFAULT_ALIAS,
+        ttl: float | None = None,
+        wait: float | None = None,
+        renew: bool = True,
+    ) -> None:
+        self.sync = MultiLock(names, using=using, ttl=ttl, wait=wait, renew=renew)
+        self.names, self.alias, self.wait = self.sync.names, using, self.sync.wait
+        self.members = [AsyncDistributedLock.of(lk) for lk in self.sync.locks]
+
+    def __repr__(self) -> str:
+        return f"<AsyncMultiLock {list(self.names)!r} using={self.alias!r} wait={self.wait}>"
+
+    def _not_acquired(self, wait: float | None) -> LockNotAcquired:
+        return self.sync._not_acquired(wait)
+
+    tokens = TaskView[dict[str, int]](
+        "Each member's fencing token, by name; LockNotOwned if the task does not hold the set."
+    )
+    token = TaskView[tuple[int, ...]]("The members' fencing tokens in ``names`` order (sorted).")
+    hold_count = TaskView[int]("How many times the calling task holds the whole set (0: not held).")
+    lost = TaskView[bool]("True if the calling task holds the set and any member's lease was lost.")
+
+    async def acquire(self, wait: float | None = _DEFAULT) -> bool:
+        """Take every member in sorted order within ``wait`` seconds in all, on the loop; return True if all were taken.
+
+        Otherwise (and if the task is cancelled) those taken are released again.
+        """
+        wait = self.wait if wait is _DEFAULT else check_wait(wait)
+        deadline = None if wait is None else time.monotonic() + wait
+        taken: list[DistributedLock] = []
+        try:
+            for member in self.members:
+                if not await member.acquire(wait=_left(deadline)):
+                    break
+                taken.append(member.lock)
+            else:
+                return True
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await finish(in_pool(self.sync._release_all, taken))
+            raise
+        await finish(in_pool(self.sync._release_all, taken))
+        return False
+
+    async def release(self) -> None:
+        """Release one hold of every member, the last taken first (see ``MultiLock.release``)."""
+        await finish(in_pool(self.sync.release))
+
+
+class AsyncReadWriteLock:
+    """``ReadWriteLock`` for asyncio code: ``read()`` and ``write()`` are async locks held by tasks.
+
+    The same lock as ``read_write_lock()`` with the same name and alias. A
+    waiting writer task blocks new readers as a waiting thread does.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        using: str = DEFAULT_ALIAS,
+        ttl: float | None = None,
+        wait: float | None = None,
+        renew: bool = True,
+    ) -> None:
+        self.rw = ReadWriteLock(name, using=using, ttl=ttl, wait=wait, renew=renew)
+        self.name, self.alias, self.wait = name, using, self.rw.wait
+        self._read = AsyncDistributedLock.of(self.rw.read())
+        self._write = AsyncDistributedLock.of(self.rw.write())
+
+    def __repr__(self) -> str:
+        return f"<AsyncReadWriteLock {self.name!r} using={self.alias!r} wait={self.wait}>"
+
+    def read(self) -> AsyncDistributedLock:
+        """The read side: held by every reader at once, and no writer."""
+        return self._read
+
+    def write(self) -> AsyncDistributedLock:
+        """The write side: held by one writer, and no reader (ValueError for a task that reads)."""
+        return self._write
+
+
+class SideTurn(AsyncTurn):
+    """An async acquire of a read-write lock's side: a writer that waits stays recorded as waiting.
+
+    A waiting thread's record lasts from ``begin_wait`` to ``end_wait`` on its
+    backend instance; a task's attempts run in any pool thread, each on that
+    thread's instance. So each attempt after the first wait records the writer
+    (renewing the record's lease), keeps the record past the attempt
+    (``rw_keep_waiting``), and the end of an acquire that gave up deletes it.
+    """
+
+    def __init__(self, key: str, mode: str) -> None:
+        self.key = key  # the read-write lock's, without the side's suffix
+        self.mode = mode
+        self.waiting = False
+        self.secret = ""  # of the writer recorded as waiting, if it was
+
+    def try_acquire(self, backend: BaseLockBackend, key: str, owner: Owner, ttl: float) -> int | None:
+        if not self.waiting:
+            return backend.try_acquire(key, owner, ttl)
+        from distlocks.rwlock import _Side
+
+        assert isinstance(backend, _Side)
+        backend.begin_wait(key)
+        try:
+            return backend.try_acquire(key, owner, ttl)
+        finally:
+            self.secret = backend.backend.rw_keep_waiting(self.key, self.mode) or self.secret
+
+    async def wait(self, attempt: int, remaining: float | None) -> None:
+        self.waiting = True
+        await super().wait(attempt, remaining)
+
+    def end(self, acquired: bool) -> Callable[[BaseLockBackend], None] | None:
+        key, secret = self.key, self.secret
+        if acquired or not secret:
+            return None  # a writer that got the lock is no longer recorded waiting
+
+        def abandon(backend: BaseLockBackend) -> None:
+            with contextlib.suppress(BackendUnavailable):  # else the record's lease runs out
+                backend.rw_abandon(key, secret)
+
+        return abandon
+
+
+# The kinds' async forms are made as the sync ones are: ``asemaphore(name, permits, ...)`` and so on.
+asemaphore = AsyncSemaphore
+amulti_lock = AsyncMultiLock
+aread_write_lock = AsyncReadWriteLock
