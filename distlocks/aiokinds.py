@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
 
 from distlocks.aio import AsyncDistributedLock, AsyncLockAPI, TaskView, attempt_or_undo, finish, in_pool
-from distlocks.backends.base import AsyncTurn, BaseLockBackend, check_wait
-from distlocks.exceptions import BackendUnavailable, LockNotAcquired
+from distlocks.backends.base import check_wait
+from distlocks.exceptions import LockNotAcquired
 from distlocks.handler import DEFAULT_ALIAS
 from distlocks.lock import _DEFAULT, DistributedLock
 from distlocks.multi import MultiLock
-from distlocks.owner import Owner
 from distlocks.rwlock import ReadWriteLock
 from distlocks.semaphore import Semaphore
 
@@ -178,50 +176,6 @@ class AsyncReadWriteLock:
     def write(self) -> AsyncDistributedLock:
         """The write side: held by one writer, and no reader (ValueError for a task that reads)."""
         return self._write
-
-
-class SideTurn(AsyncTurn):
-    """An async acquire of a read-write lock's side: a writer that waits stays recorded as waiting.
-
-    A waiting thread's record lasts from ``begin_wait`` to ``end_wait`` on its
-    backend instance; a task's attempts run in any pool thread, each on that
-    thread's instance. So each attempt after the first wait records the writer
-    (renewing the record's lease), keeps the record past the attempt
-    (``rw_keep_waiting``), and the end of an acquire that gave up deletes it.
-    """
-
-    def __init__(self, key: str, mode: str) -> None:
-        self.key = key  # the read-write lock's, without the side's suffix
-        self.mode = mode
-        self.waiting = False
-        self.secret = ""  # of the writer recorded as waiting, if it was
-
-    def try_acquire(self, backend: BaseLockBackend, key: str, owner: Owner, ttl: float) -> int | None:
-        if not self.waiting:
-            return backend.try_acquire(key, owner, ttl)
-        from distlocks.rwlock import _Side
-
-        assert isinstance(backend, _Side)
-        backend.begin_wait(key)
-        try:
-            return backend.try_acquire(key, owner, ttl)
-        finally:
-            self.secret = backend.backend.rw_keep_waiting(self.key, self.mode) or self.secret
-
-    async def wait(self, attempt: int, remaining: float | None) -> None:
-        self.waiting = True
-        await super().wait(attempt, remaining)
-
-    def end(self, acquired: bool) -> Callable[[BaseLockBackend], None] | None:
-        key, secret = self.key, self.secret
-        if acquired or not secret:
-            return None  # a writer that got the lock is no longer recorded waiting
-
-        def abandon(backend: BaseLockBackend) -> None:
-            with contextlib.suppress(BackendUnavailable):  # else the record's lease runs out
-                backend.rw_abandon(key, secret)
-
-        return abandon
 
 
 # The kinds' async forms are made as the sync ones are: ``asemaphore(name, permits, ...)`` and so on.

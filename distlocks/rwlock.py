@@ -18,9 +18,12 @@ such readers would wait for each other for ever.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from typing import Any
 
 from distlocks.backends.base import AsyncTurn, BaseLockBackend, LockInfo, check_name_and_alias
+from distlocks.exceptions import BackendUnavailable
 from distlocks.handler import DEFAULT_ALIAS, locks
 from distlocks.holds import holds
 from distlocks.lock import DistributedLock
@@ -76,7 +79,49 @@ class _Side(BaseLockBackend):
         return self.backend.rw_holder(self._key(key), self.mode)
 
     def async_turn(self, key: str) -> AsyncTurn:
-        return self.backend.rw_async_turn(self._key(key), self.mode)
+        return self.backend.rw_async_turn(self._key(key), self.mode) or SideTurn(self._key(key), self.mode)
+
+
+class SideTurn(AsyncTurn):
+    """An async acquire of a read-write lock's side: a writer that waits stays recorded as waiting.
+
+    A waiting thread's record lasts from ``begin_wait`` to ``end_wait`` on its
+    backend instance; a task's attempts run in any pool thread, each on that
+    thread's instance. So each attempt after the first wait records the writer
+    (renewing the record's lease), keeps the record past the attempt
+    (``rw_keep_waiting``), and the end of an acquire that gave up deletes it.
+    """
+
+    def __init__(self, key: str, mode: str) -> None:
+        self.key = key  # the read-write lock's, without the side's suffix
+        self.mode = mode
+        self.waiting = False
+        self.secret = ""  # of the writer recorded as waiting, if it was
+
+    def try_acquire(self, backend: BaseLockBackend, key: str, owner: Owner, ttl: float) -> int | None:
+        if not self.waiting:
+            return backend.try_acquire(key, owner, ttl)
+        assert isinstance(backend, _Side)
+        backend.begin_wait(key)
+        try:
+            return backend.try_acquire(key, owner, ttl)
+        finally:
+            self.secret = backend.backend.rw_keep_waiting(self.key, self.mode) or self.secret
+
+    async def wait(self, attempt: int, remaining: float | None) -> None:
+        self.waiting = True
+        await super().wait(attempt, remaining)
+
+    def end(self, acquired: bool) -> Callable[[BaseLockBackend], None] | None:
+        key, secret = self.key, self.secret
+        if acquired or not secret:
+            return None  # a writer that got the lock is no longer recorded waiting
+
+        def abandon(backend: BaseLockBackend) -> None:
+            with contextlib.suppress(BackendUnavailable):  # else the record's lease runs out
+                backend.rw_abandon(key, secret)
+
+        return abandon
 
 
 def side(backend: BaseLockBackend, mode: str) -> BaseLockBackend:

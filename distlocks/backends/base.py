@@ -290,11 +290,9 @@ class BaseLockBackend:
         """Note that ``owner`` is recorded as a writer waiting for ``key`` (``rw_end_wait`` forgets it)."""
         self._rw_waiters()[key] = owner.secret
 
-    def rw_async_turn(self, key: str, mode: str) -> AsyncTurn:
-        """A new async waiter for the ``mode`` side of ``key`` (see AsyncTurn; default: ``aiokinds.SideTurn``)."""
-        from distlocks.aiokinds import SideTurn
-
-        return SideTurn(key, mode)
+    def rw_async_turn(self, key: str, mode: str) -> AsyncTurn | None:
+        """A new async waiter for the ``mode`` side of ``key`` (see AsyncTurn), or None for the core's (``rwlock.SideTurn``)."""
+        return None
 
     def rw_keep_waiting(self, key: str, mode: str) -> str:
         """An attempt of an acquire that goes on in another thread (an async one) ends: keep its record, if any.

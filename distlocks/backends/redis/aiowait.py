@@ -17,10 +17,9 @@ import os
 import secrets
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, cast
 
 from distlocks.backends.base import AsyncTurn, BaseLockBackend
-from distlocks.backends.redis.backend import RedisBackend
 from distlocks.backends.redis.handover import Waiter, give_back, pass_on
 from distlocks.owner import Owner
 
@@ -169,10 +168,32 @@ async def _until(event: asyncio.Event, timeout: float) -> None:
         await asyncio.wait_for(event.wait(), timeout)
 
 
+class QueuingBackend(Protocol):
+    """What a task's turn calls on ``RedisBackend`` (a protocol: this module sits below the backend, not above)."""
+
+    cache: str
+    _wait_hint: dict[str, float]
+
+    @property
+    def address(self) -> str: ...
+
+    @property
+    def client(self) -> Any: ...
+
+    @staticmethod
+    def _rw_keys(key: str) -> tuple[str, str, str]: ...
+
+    def try_acquire_as(self, key: str, owner: Owner, ttl: float, waiter: Waiter | None) -> int | None: ...
+
+    def rw_acquire_as(self, key: str, owner: Owner, ttl: float, mode: str, waiter: Waiter | None) -> int | None: ...
+
+    def leave_queue(self, key: str, waiter: Waiter, mode: str = "") -> None: ...
+
+
 class RedisTurn(AsyncTurn):
     """A task's wait for one lock (or, with ``mode``, a read-write lock's side) on Redis, as ``RedisBackend.wait`` does a thread's."""
 
-    def __init__(self, backend: RedisBackend, key: str, mode: str = "") -> None:
+    def __init__(self, backend: QueuingBackend, key: str, mode: str = "") -> None:
         self.server = (backend.cache, backend.address)
         self.make_client = lambda: backend.client
         self.key = key
@@ -183,13 +204,13 @@ class RedisTurn(AsyncTurn):
         self.hint = 1.0  # how long the last attempt said to wait at most
 
     def try_acquire(self, backend: BaseLockBackend, key: str, owner: Owner, ttl: float) -> int | None:
-        backend = getattr(backend, "backend", backend)  # a read-write lock's side (rwlock) wraps its backend
-        assert isinstance(backend, RedisBackend)
+        # The pool thread's RedisBackend, or a read-write lock's side (rwlock) wrapping it.
+        redis = cast(QueuingBackend, getattr(backend, "backend", backend))
         if self.mode:
-            token = backend.rw_acquire_as(self.key, owner, ttl, self.mode, self.waiter)
+            token = redis.rw_acquire_as(self.key, owner, ttl, self.mode, self.waiter)
         else:
-            token = backend.try_acquire_as(key, owner, ttl, self.waiter)
-        self.hint = backend._wait_hint.pop(self.slot, 1.0)
+            token = redis.try_acquire_as(key, owner, ttl, self.waiter)
+        self.hint = redis._wait_hint.pop(self.slot, 1.0)
         return token
 
     async def wait(self, attempt: int, remaining: float | None) -> None:
@@ -215,7 +236,6 @@ class RedisTurn(AsyncTurn):
         key, mode = self.key, self.mode
 
         def leave(backend: BaseLockBackend) -> None:
-            assert isinstance(backend, RedisBackend)
-            backend.leave_queue(key, waiter, mode)
+            cast(QueuingBackend, backend).leave_queue(key, waiter, mode)
 
         return leave
