@@ -317,6 +317,42 @@ def test_a_killed_waiter_does_not_hold_up_the_queue(alias, name, workers):
 
 
 @pytest.mark.parametrize("alias", DB_ALIASES, indirect=True)
+def test_a_waiter_resumed_after_its_place_ran_out_queues_behind_those_that_came_meanwhile(alias, name, workers):
+    from distlocks.backends.db.statements import sql_for
+    from distlocks.models import LockWaiter
+
+    key = locks[alias].make_key(name)
+    queue = LockWaiter.objects.using(locks[alias].database).filter(lock_name=key)
+    table = LockWaiter._meta.db_table
+
+    def live():
+        connection = connections[locks[alias].database]
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"SELECT COUNT(*) FROM {table} WHERE lock_name = %s AND expires_at > {sql_for(connection).now}", [key]
+            )
+            return cursor.fetchone()[0]
+
+    holder = Holder(name, alias, ttl=60)
+    first = workers("take", alias, name, 60)
+    until(lambda: live() == 1, 30)
+    os.kill(first.process.pid, signal.SIGSTOP)
+    try:
+        until(lambda: live() == 0, 30)  # its place ran out while it was stopped
+        second = workers("take", alias, name, 60)
+        until(lambda: live() == 1, 30)
+    finally:
+        os.kill(first.process.pid, signal.SIGCONT)
+    until(lambda: live() == 2, 30)  # the first, resumed, is queued again
+    assert holder.release() is None
+    second_token, first_token = int(second.line()[1]), int(first.line()[1])
+    # Its expired place kept no rank: the second, queued while it was stopped, is served first.
+    assert second_token < first_token, (second_token, first_token, list(queue.values_list("id", flat=True)))
+    second.finish()
+    first.finish()
+
+
+@pytest.mark.parametrize("alias", DB_ALIASES, indirect=True)
 def test_a_stopped_waiter_at_the_head_does_not_hold_up_the_queue(alias, name, workers):
     from distlocks.models import LockWaiter
 

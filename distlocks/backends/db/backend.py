@@ -349,7 +349,7 @@ class DatabaseBackend(BaseLockBackend):
         return place
 
     def _stay_queued(self, key: str, place: _Place) -> _Place:
-        """Renew the lease of ``place``; queue again at the end if a cleanup deleted it meanwhile."""
+        """Renew the lease of ``place``; queue again at the end if it ran out (a stopped waiter) or a cleanup deleted it."""
 
         def renew(connection: BaseDatabaseWrapper) -> bool:
             sql = sql_for(connection)

@@ -64,7 +64,8 @@ class Statements:
         # A waiter's look: is the lock live, and how many live waiters are ahead of it.
         self.look = f"SELECT (SELECT COUNT(*) FROM {table} WHERE lock_name = %s AND expires_at > {now}), (SELECT COUNT(*) FROM {ahead})"
         self.enqueue = f"INSERT INTO {queue} (lock_name, expires_at) VALUES (%s, {later}){returning}"
-        self.stay_queued = f"UPDATE {queue} SET expires_at = {later} WHERE id = %s"
+        # Only a live place keeps its rank: one that ran out (a waiter stopped past its lease) queues again at the end.
+        self.stay_queued = f"UPDATE {queue} SET expires_at = {later} WHERE id = %s AND expires_at > {now}"
         self.dequeue = f"DELETE FROM {queue} WHERE id = %s"
         self.clear_queue = f"DELETE FROM {queue} WHERE expires_at <= {now}"
         self.delete_expired = f"DELETE FROM {table} WHERE lock_name = %s AND expires_at <= {now}"
