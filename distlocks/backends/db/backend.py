@@ -286,7 +286,13 @@ class DatabaseBackend(BaseLockBackend):
                 place = self._stay_queued(key, place)
             listening = self._listen(key)  # before the look, so that no release after it goes unheard
 
-            live, ahead = self._run(functools.partial(self._look, key, place.id))
+            look = functools.partial(self._look, key, place.id)
+            try:
+                live, ahead = self._run(look)
+            except BackendUnavailable:
+                # A session the server ended during the look (KILL, a restart): the look only reads,
+                # so it is asked again once, on the new connection _run opens; a second failure is the answer.
+                live, ahead = self._run(look)
             if not live and not ahead:
                 return
             if listening is not None:
