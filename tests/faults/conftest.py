@@ -252,8 +252,8 @@ class PostgresServer:
         self.bin_dir, self.data, self.port = bin_dir, directory / "data", _free_port()
         self.user = "postgres" if os.getuid() == 0 else None
         self.process: subprocess.Popen[bytes] | None = None
-        run = {"user": self.user, "check": True, "capture_output": True, "timeout": 300}
-        subprocess.run([str(bin_dir / "initdb"), "-D", str(self.data), "-A", "trust", "-U", "postgres"], **run)
+        initdb = [str(bin_dir / "initdb"), "-D", str(self.data), "-A", "trust", "-U", "postgres"]
+        subprocess.run(initdb, user=self.user, check=True, capture_output=True, timeout=300)
 
     def start(self) -> None:
         command = [str(self.bin_dir / "postgres"), "-D", str(self.data), "-p", str(self.port)]
