@@ -268,22 +268,26 @@ class PostgresServer:
     def crash(self) -> None:
         """SIGKILL the postmaster and every process of the server at once: nothing is shut down cleanly."""
         assert self.process is not None
-        children = subprocess.run(["pgrep", "-P", str(self.process.pid)], capture_output=True, text=True).stdout
-        for pid in [self.process.pid, *map(int, children.split())]:
+        children = [pid for pid in _pids() if _stat(pid)[1:2] == [str(self.process.pid)]]
+        for pid in [self.process.pid, *children]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         self.process.wait(30)
-        for pid in map(int, children.split()):
-            while _alive(pid):  # the new postmaster must find no process still using the old one's memory
+        for pid in children:
+            while _stat(pid)[:1] not in ([], ["Z"]):  # the new postmaster must find none still using the old memory
                 time.sleep(0.01)
 
 
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` still runs (a zombie waiting to be reaped does not)."""
+def _pids() -> list[int]:
+    return [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
+
+
+def _stat(pid: int) -> list[str]:
+    """Process ``pid``'s state and parent (``/proc/PID/stat`` after the name), or [] if it is gone."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:2]
     except (FileNotFoundError, ProcessLookupError):
-        return False
+        return []
 
 
 @pytest.fixture
