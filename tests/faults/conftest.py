@@ -292,10 +292,12 @@ def _stat(pid: int) -> list[str]:
 
 @pytest.fixture
 def own_postgresql():
-    """A PostgreSQL server of the test's own (see PostgresServer), started; skipped where PostgreSQL's binaries are missing."""
+    """A PostgreSQL server of the test's own (see PostgresServer), started; its binaries come with Debian's postgresql."""
     found = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
     if not found:
-        pytest.skip("no PostgreSQL server binaries under /usr/lib/postgresql")
+        pytest.fail(
+            "no PostgreSQL server binaries under /usr/lib/postgresql: install Debian's postgresql (scripts/test.sh does)"
+        )
     directory = Path(tempfile.mkdtemp(prefix="distlocks-postgresql-"))
     if os.getuid() == 0:
         shutil.chown(directory, "postgres")
