@@ -296,7 +296,7 @@ def test_new_holder_keeps_the_lock_when_force_release_has_a_stale_token(alias, n
 
 @pytest.mark.parametrize("alias", DB_ALIASES, indirect=True)
 def test_a_killed_waiter_does_not_hold_up_the_queue(alias, name, workers):
-    from distlocks.backends.db.backend import WAITER_LEASE
+    from distlocks.backends.db.queue import WAITER_LEASE
     from distlocks.models import LockWaiter
 
     queue = LockWaiter.objects.using(locks[alias].database).filter(lock_name=locks[alias].make_key(name))
