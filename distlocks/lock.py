@@ -17,6 +17,8 @@ from distlocks.backends.base import (
     check_name_and_alias,
     check_positive_number,
     check_wait,
+    deadline_after,
+    time_left,
 )
 from distlocks.exceptions import LockError, LockLost, LockNotAcquired, LockNotOwned
 from distlocks.handler import DEFAULT_ALIAS, locks
@@ -41,11 +43,18 @@ _DEFAULT: Any = _Default()
 
 
 L = TypeVar("L", bound="LockAPI")
+E = TypeVar("E", bound=LockError)
 
 
 class LockAPI:
-    """The context manager and decorator of every kind of lock, built on its ``acquire()`` and ``release()``."""
+    """The context manager and decorator of every kind of lock, built on its ``acquire()`` and ``release()``.
 
+    It also words the kind's errors: "<noun> 'name' on 'alias' <what>".
+    """
+
+    noun = "Lock"
+    name: str
+    alias: str
     wait: float | None
 
     def acquire(self, wait: float | None = _DEFAULT) -> bool:
@@ -54,8 +63,15 @@ class LockAPI:
     def release(self) -> None:
         raise NotImplementedError("subclasses of LockAPI must provide a release() method")
 
+    def _message(self, what: str) -> str:
+        return f"{self.noun} {self.name!r} on {self.alias!r} {what}"
+
+    def _error(self, kind: type[E], what: str) -> E:
+        """A ``kind`` of LockError about this lock, saying ``what``."""
+        return kind(self._message(what), name=self.name, alias=self.alias)
+
     def _not_acquired(self, wait: float | None) -> LockNotAcquired:
-        raise NotImplementedError("subclasses of LockAPI must provide a _not_acquired() method")
+        return self._error(LockNotAcquired, f"not acquired within {wait}s")
 
     def __enter__(self: L) -> L:
         if not self.acquire():
@@ -134,7 +150,7 @@ class DistributedLock(LockAPI):
         """The calling thread's fencing token; raise LockNotOwned if it does not hold the lock."""
         hold = self._hold()
         if hold is None:
-            raise LockNotOwned(self._message("is not held by this thread"), name=self.name, alias=self.alias)
+            raise self._error(LockNotOwned, "is not held by this thread")
         return hold.token
 
     @property
@@ -192,9 +208,6 @@ class DistributedLock(LockAPI):
         NotImplementedError (a lease shared by one owner's copies does it there).
         """
         return self._backend.record(self.key, value)
-
-    def _message(self, what: str) -> str:
-        return f"Lock {self.name!r} on {self.alias!r} {what}"
 
     def acquire(self, wait: float | None = _DEFAULT) -> bool:
         """Acquire the lock, waiting at most ``wait`` seconds; return True if acquired.
@@ -266,7 +279,7 @@ class DistributedLock(LockAPI):
 
         An async lock tries once (``wait=0``) as its ``turn``, and waits on its loop.
         """
-        deadline = None if wait is None else time.monotonic() + wait
+        deadline = deadline_after(wait)
         attempt = 0
         token = None
         if wait != 0:
@@ -280,8 +293,8 @@ class DistributedLock(LockAPI):
                     token = turn.try_acquire(backend, self.key, owner, self.ttl)
                 if token is not None:
                     return token, started
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
+                remaining = time_left(deadline)
+                if remaining == 0:
                     return None
                 backend.wait(self.key, attempt, remaining)
                 attempt += 1
@@ -291,7 +304,7 @@ class DistributedLock(LockAPI):
     def _reenter(self, hold: Hold, backend: BaseLockBackend) -> None:
         """Count one more hold, checking on the server that the lease is still ours."""
         if hold.lost:
-            raise LockLost(self._message("was lost while held"), name=self.name, alias=self.alias)
+            raise self._error(LockLost, "was lost while held")
         started = time.monotonic()
         ttl = max(self.ttl, hold.ttl)  # another lock object's shorter ttl must not cut the outer lease
         try:
@@ -334,7 +347,7 @@ class DistributedLock(LockAPI):
         mine = holds()
         hold = mine.get((self.alias, self.key))
         if hold is None:
-            raise LockNotOwned(self._message("is not held by this thread"), name=self.name, alias=self.alias)
+            raise self._error(LockNotOwned, "is not held by this thread")
         hold.count -= 1
         if hold.count > 0:
             self._release_inner(hold)
@@ -348,7 +361,7 @@ class DistributedLock(LockAPI):
                     backend.drop(self.key, hold.owner)
                 else:
                     backend.release(self.key, hold.owner)
-            raise LockLost(self._message("was lost while held"), name=self.name, alias=self.alias)
+            raise self._error(LockLost, "was lost while held")
         # An error here leaves the lease unrenewed: it runs out (a session-bound
         # backend deletes its node as soon as it can).
         released = backend.release(self.key, hold.owner)
@@ -366,7 +379,7 @@ class DistributedLock(LockAPI):
     def _release_inner(self, hold: Hold) -> None:
         """Release a hold that is not the last: the outer one goes on, renewed."""
         if hold.lost:
-            raise LockLost(self._message("was lost while held"), name=self.name, alias=self.alias)
+            raise self._error(LockLost, "was lost while held")
         try:
             still_held = hold.backend_here().release(self.key, hold.owner)
         except Exception:
@@ -378,7 +391,7 @@ class DistributedLock(LockAPI):
     def _lost(self, hold: Hold, why: str) -> NoReturn:
         """The holding thread found its hold lost: tell ``lock_lost`` (unless told already) and raise LockLost."""
         watchdog().lose(hold, why, watched_only=False)
-        raise LockLost(self._message("was lost while held"), name=self.name, alias=self.alias)
+        raise self._error(LockLost, "was lost while held")
 
     def detach(self, lease: float) -> int:
         """Stop holding the lock in this thread without releasing it; return its token.
@@ -389,10 +402,10 @@ class DistributedLock(LockAPI):
         """
         hold = holds().pop((self.alias, self.key), None)
         if hold is None:
-            raise LockNotOwned(self._message("is not held by this thread"), name=self.name, alias=self.alias)
+            raise self._error(LockNotOwned, "is not held by this thread")
         watchdog().unwatch(hold)
         if hold.lost or not self._backend.extend(self.key, hold.owner, lease):
-            raise LockLost(self._message("was lost while held"), name=self.name, alias=self.alias)
+            raise self._error(LockLost, "was lost while held")
         return hold.token
 
     def resume(self, token: int) -> bool:
@@ -418,9 +431,6 @@ class DistributedLock(LockAPI):
         if self.renew:
             watchdog().watch(hold)
         return True
-
-    def _not_acquired(self, wait: float | None) -> LockNotAcquired:
-        return LockNotAcquired(self._message(f"not acquired within {wait}s"), name=self.name, alias=self.alias)
 
 
 def lock(

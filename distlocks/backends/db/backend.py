@@ -7,7 +7,6 @@ connection they run on is ``connections.py``'s, the waiter queue ``queue.py``'s.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -17,7 +16,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import QuerySet
 from django.db.models.expressions import RawSQL
 
-from distlocks.backends.base import LockInfo
+from distlocks.backends.base import LockInfo, deadline_after
 from distlocks.backends.db import rw
 from distlocks.backends.db.connections import execute, in_memory, missing_database
 from distlocks.backends.db.notify import channel
@@ -163,7 +162,7 @@ class DatabaseBackend(QueuedBackend):
         self._run(lambda connection: execute(connection, sql_for(connection).rw.drop, [key, "waiting", secret]))
 
     def rw_wait(self, key: str, mode: str, attempt: int, remaining: float | None) -> None:
-        sleep(min(POLL_FIRST * 2**attempt, POLL_MAX), None if remaining is None else time.monotonic() + remaining)
+        sleep(min(POLL_FIRST * 2**attempt, POLL_MAX), deadline_after(remaining))
 
     def rw_force_release(self, key: str, token: int | None = None) -> bool:
         def attempt(connection: BaseDatabaseWrapper) -> bool:

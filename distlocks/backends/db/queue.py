@@ -20,7 +20,7 @@ from typing import Any
 from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from distlocks.backends.base import AsyncTurn, BaseLockBackend
+from distlocks.backends.base import AsyncTurn, BaseLockBackend, deadline_after
 from distlocks.backends.db.connections import OwnConnectionBackend, execute, open_like
 from distlocks.backends.db.notify import can_listen, channel, notified, own_session
 from distlocks.backends.db.statements import sql_for
@@ -127,7 +127,7 @@ class QueuedBackend(OwnConnectionBackend):
         if self._using() != self._connection_alias:
             self._poll(key, remaining)  # SQLite inside the caller's transaction: nobody else can write anyway
             return
-        deadline = None if remaining is None else time.monotonic() + remaining
+        deadline = deadline_after(remaining)
         place = self._places.get(key) or self._enqueue(key)
         delay = POLL_FIRST
         head_since: float | None = None
@@ -260,7 +260,7 @@ class QueuedBackend(OwnConnectionBackend):
 
     def _poll(self, key: str, remaining: float | None) -> None:
         """Poll with a plain SELECT until the lock looks free, for at most ``remaining`` seconds."""
-        deadline = None if remaining is None else time.monotonic() + remaining
+        deadline = deadline_after(remaining)
         delay = POLL_FIRST
         while True:
             if not sleep(delay, deadline):
