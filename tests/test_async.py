@@ -46,6 +46,27 @@ async def ticker(gaps, stop):
         last = now
 
 
+async def cancel_inside(holdable, while_inside=None):
+    """Cancel a task that sleeps inside ``async with holdable``, once it is in; it must end cancelled.
+
+    ``while_inside`` (a coroutine function) runs while the task is inside, before the cancel.
+    """
+    entered = asyncio.Event()
+
+    async def hold_forever():
+        async with holdable:
+            entered.set()
+            await asyncio.sleep(3600)
+
+    task = asyncio.create_task(hold_forever())
+    await entered.wait()
+    if while_inside is not None:
+        await while_inside()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
 async def holder_of(lk):
     """Who holds the lock, asked from a thread (Django's connections are per context on the loop)."""
     return await asyncio.to_thread(lk.lock.holder)
@@ -144,19 +165,11 @@ def test_cancelling_a_waiting_task_leaves_no_trace(alias, name):
 def test_cancelling_a_task_that_holds_inside_async_with_releases(alias, name):
     async def main():
         lk = distlocks.alock(name, using=alias, wait=5)
-        entered = asyncio.Event()
 
-        async def hold_forever():
-            async with lk:
-                entered.set()
-                await asyncio.sleep(3600)
+        async def is_held():
+            assert await holder_of(lk) is not None
 
-        task = asyncio.create_task(hold_forever())
-        await entered.wait()
-        assert await holder_of(lk) is not None
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        await cancel_inside(lk, is_held)
         assert await holder_of(lk) is None
         assert await lk.acquire(wait=0)
         await lk.release()

@@ -14,7 +14,7 @@ from distlocks.handler import locks
 from distlocks.inspection import held_locks, holder
 
 from .conftest import ALIASES, DB, PROCESS_ALIASES, Holder
-from .test_async import run, ticker
+from .test_async import cancel_inside, run, ticker
 from .test_read_write import RW_ALIASES, RW_PROCESS_ALIASES
 from .test_semaphore import concurrency
 
@@ -105,18 +105,7 @@ def test_a_task_waiting_for_a_permit_is_cancelled_and_leaves_no_permit_and_no_qu
 def test_cancelling_a_task_inside_async_with_a_semaphore_gives_its_permit_back(alias, leave_nothing, name):
     async def main():
         sem = distlocks.asemaphore(name, 1, using=alias, wait=5)
-        entered = asyncio.Event()
-
-        async def hold_forever():
-            async with sem:
-                entered.set()
-                await asyncio.sleep(3600)
-
-        task = asyncio.create_task(hold_forever())
-        await entered.wait()
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        await cancel_inside(sem)
         assert await held_now(alias, name) == []
         assert await sem.acquire(wait=0)
         await sem.release()
@@ -178,18 +167,7 @@ def test_cancelling_a_task_inside_async_with_a_multi_lock_releases_every_member(
 
     async def main():
         lk = distlocks.amulti_lock(names, using=alias, wait=5)
-        entered = asyncio.Event()
-
-        async def hold_forever():
-            async with lk:
-                entered.set()
-                await asyncio.sleep(3600)
-
-        task = asyncio.create_task(hold_forever())
-        await entered.wait()
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        await cancel_inside(lk)
         assert all(await asyncio.gather(*(asyncio.to_thread(member_free, alias, n) for n in names)))
 
     run(main())
@@ -288,18 +266,7 @@ def test_a_waiting_writer_task_blocks_new_readers_and_cancelling_it_lets_them_in
 def test_cancelling_a_task_inside_async_with_a_side_releases_it(alias, leave_nothing, name):
     async def main():
         rw = distlocks.aread_write_lock(name, using=alias, wait=5)
-        entered = asyncio.Event()
-
-        async def hold_forever():
-            async with rw.write():
-                entered.set()
-                await asyncio.sleep(3600)
-
-        task = asyncio.create_task(hold_forever())
-        await entered.wait()
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        await cancel_inside(rw.write())
         assert await held_now(alias, name) == []
         assert await rw.read().acquire(wait=0)
         await rw.read().release()

@@ -212,6 +212,19 @@ def _until(condition, seconds=10.0):
         time.sleep(0.01)
 
 
+def _assert_handed_past_the_dead_waiter(name, holder, client, queue):
+    """A new waiter queues behind a dead one; ``holder``'s release hands the lock to it, not after the dead one's lease."""
+    result = []
+    waiter = threading.Thread(target=lambda: result.append(distlocks.lock(name, using="redis").acquire(wait=20)))
+    waiter.start()
+    _until(lambda: client.zcard(queue) == 2)
+    released = time.monotonic()
+    holder.release()
+    waiter.join(20)
+    assert result == [True]
+    assert time.monotonic() - released < 5  # not the dead waiter's 30 s lease
+
+
 def test_a_killed_waiter_is_skipped_when_the_lock_is_handed_on(name, workers):
     holder = distlocks.lock(name, using="redis", ttl=30)
     holder.acquire()
@@ -221,16 +234,7 @@ def test_a_killed_waiter_is_skipped_when_the_lock_is_handed_on(name, workers):
     channel = client.zrange(queue, 0, 0)[0].decode().split("|")[0]
     dead.kill()
     _until(lambda: client.pubsub_numsub(channel)[0][1] == 0)
-    result = []
-    waiter = threading.Thread(target=lambda: result.append(distlocks.lock(name, using="redis").acquire(wait=20)))
-    waiter.start()
-    _until(lambda: client.zcard(queue) == 2)
-    released = time.monotonic()
-    holder.release()
-    waiter.join(20)
-    # Not the dead waiter's 30 s lease: the lock went straight past it.
-    assert result == [True]
-    assert time.monotonic() - released < 5
+    _assert_handed_past_the_dead_waiter(name, holder, client, queue)
     assert client.zcard(queue) == 0
 
 
@@ -344,15 +348,7 @@ def test_a_forked_child_does_not_keep_a_dead_waiter_listening(name, workers, wai
         channel = client.zrange(queue, 0, 0)[0].decode().split("|")[0]
         parent.kill()  # its child lives on, with a copy of the parent's sockets
         _until(lambda: client.pubsub_numsub(channel)[0][1] == 0)
-        result = []
-        waiter = threading.Thread(target=lambda: result.append(distlocks.lock(name, using="redis").acquire(wait=20)))
-        waiter.start()
-        _until(lambda: client.zcard(queue) == 2)
-        released = time.monotonic()
-        holder.release()
-        waiter.join(20)
-        assert result == [True]
-        assert time.monotonic() - released < 5
+        _assert_handed_past_the_dead_waiter(name, holder, client, queue)
     finally:
         os.kill(int(child), signal.SIGKILL)
 

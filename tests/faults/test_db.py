@@ -294,9 +294,8 @@ def test_new_holder_keeps_the_lock_when_force_release_has_a_stale_token(alias, n
     assert isinstance(holder.release(), distlocks.LockLost)
 
 
-@pytest.mark.parametrize("alias", DB_ALIASES, indirect=True)
-def test_a_killed_waiter_does_not_hold_up_the_queue(alias, name, workers):
-    from distlocks.backends.db.queue import WAITER_LEASE
+def _two_queued_waiters(alias, name, workers):
+    """A holder of ``name`` for 60 s, and two worker processes queued behind it in turn: (holder, first, second)."""
     from distlocks.models import LockWaiter
 
     queue = LockWaiter.objects.using(locks[alias].database).filter(lock_name=locks[alias].make_key(name))
@@ -305,6 +304,14 @@ def test_a_killed_waiter_does_not_hold_up_the_queue(alias, name, workers):
     until(lambda: queue.count() == 1, 30)
     second = workers("take", alias, name, 60)
     until(lambda: queue.count() == 2, 30)
+    return holder, first, second
+
+
+@pytest.mark.parametrize("alias", DB_ALIASES, indirect=True)
+def test_a_killed_waiter_does_not_hold_up_the_queue(alias, name, workers):
+    from distlocks.backends.db.queue import WAITER_LEASE
+
+    holder, first, second = _two_queued_waiters(alias, name, workers)
     first.kill()  # SIGKILL: its place stays in the table, ahead of the second waiter's
     assert holder.release() is None
     started = time.monotonic()
@@ -354,14 +361,7 @@ def test_a_waiter_resumed_after_its_place_ran_out_queues_behind_those_that_came_
 
 @pytest.mark.parametrize("alias", DB_ALIASES, indirect=True)
 def test_a_stopped_waiter_at_the_head_does_not_hold_up_the_queue(alias, name, workers):
-    from distlocks.models import LockWaiter
-
-    queue = LockWaiter.objects.using(locks[alias].database).filter(lock_name=locks[alias].make_key(name))
-    holder = Holder(name, alias, ttl=60)
-    first = workers("take", alias, name, 60)
-    until(lambda: queue.count() == 1, 30)
-    second = workers("take", alias, name, 60)
-    until(lambda: queue.count() == 2, 30)
+    holder, first, second = _two_queued_waiters(alias, name, workers)
     os.kill(first.process.pid, signal.SIGSTOP)  # first in the queue; on PostgreSQL it LISTENs and reads nothing now
     try:
         # The release notifies a listener that reads nothing: it must not wait for it.

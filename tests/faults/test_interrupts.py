@@ -20,7 +20,7 @@ import distlocks
 from distlocks.handler import locks
 from tests.conftest import DB, NATIVE_ALIASES, Holder
 from tests.faults import test_zookeeper
-from tests.faults.conftest import free_elsewhere
+from tests.faults.conftest import free_elsewhere, frozen
 from tests.faults.test_native import queued, until
 from tests.faults.test_zookeeper import own_aliases
 
@@ -93,15 +93,11 @@ def test_a_create_interrupted_while_the_server_is_frozen_leaves_no_node(zk_serve
             return distlocks.lock(name, using=using)
         return distlocks.read_write_lock(name, using=using).write()
 
-    zk_server.freeze()
-    try:
-        with raising_on(signal.SIGALRM):
-            helper = interrupt_main_when(lambda: create_in_flight(alias))
-            with pytest.raises(Interrupted):
-                lock(alias).acquire(wait=0)
-            helper.join(30)
-    finally:
-        zk_server.thaw()
+    with frozen(zk_server), raising_on(signal.SIGALRM):
+        helper = interrupt_main_when(lambda: create_in_flight(alias))
+        with pytest.raises(Interrupted):
+            lock(alias).acquire(wait=0)
+        helper.join(30)
     # The server creates the node now, in a session that lives on: it must be deleted again.
     assert lock(other).acquire(wait=10)
     lock(other).release()

@@ -27,6 +27,7 @@ from distlocks.backends.zookeeper.session import _sessions
 from distlocks.handler import locks
 from distlocks.owner import current_owner
 from distlocks.signals import lock_lost
+from tests.faults.conftest import frozen
 from tests.servers import ZK_PORT, ZooKeeperServer
 
 pytestmark = pytest.mark.servers("zookeeper")
@@ -52,6 +53,13 @@ class OwnServer(ZooKeeperServer):
 
     def thaw(self):
         os.kill(self.process.pid, signal.SIGCONT)
+
+
+def assert_free_for(alias, name):
+    """Another session, ``alias``, takes and gives back the lock ``name`` within 10 s."""
+    lk = distlocks.lock(name, using=alias)
+    assert lk.acquire(wait=10)
+    lk.release()
 
 
 @pytest.fixture
@@ -131,15 +139,12 @@ def test_loss_is_signalled_within_the_session_timeout_when_the_server_freezes(zk
     holder = distlocks.lock(name, using=alias, ttl=30)
     assert holder.acquire(wait=5)
     lost = lost_names(name)
-    zk_server.freeze()
-    frozen_at = time.monotonic()
-    try:
+    with frozen(zk_server):
+        frozen_at = time.monotonic()
         # The session expires session_timeout after the server last heard from us, which was before the freeze.
         assert lost.wait(session_timeout + 5), "lock_lost not sent while the server was frozen"
         assert time.monotonic() - frozen_at < session_timeout + 2  # and not at the end of ttl=30
         assert holder.lost
-    finally:
-        zk_server.thaw()
     with pytest.raises(distlocks.LockLost):
         holder.release()
     # Its node is gone (the session expired, or it was deleted on reconnection): the lock is free. The
@@ -191,16 +196,11 @@ def test_the_outermost_release_frees_the_lock_when_a_reentry_met_a_frozen_server
     alias, other = own_aliases(settings, zk_server, "own", "other", SESSION_TIMEOUT=20, CONNECT_TIMEOUT=1)
     lk = distlocks.lock(name, using=alias)
     assert lk.acquire(wait=5)
-    zk_server.freeze()
-    try:
-        with pytest.raises(distlocks.BackendUnavailable):
-            lk.acquire()
-    finally:
-        zk_server.thaw()
+    with frozen(zk_server), pytest.raises(distlocks.BackendUnavailable):
+        lk.acquire()
     assert lk.hold_count == 1
     lk.release()
-    assert distlocks.lock(name, using=other).acquire(wait=10)
-    distlocks.lock(name, using=other).release()
+    assert_free_for(other, name)
 
 
 def test_the_outermost_release_frees_the_lock_when_an_inner_release_met_a_frozen_server(zk_server, settings, name):
@@ -208,29 +208,20 @@ def test_the_outermost_release_frees_the_lock_when_an_inner_release_met_a_frozen
     lk = distlocks.lock(name, using=alias)
     assert lk.acquire(wait=5)
     assert lk.acquire(wait=5)
-    zk_server.freeze()
-    try:
+    with frozen(zk_server):
         lk.release()  # inner: only the count shown to operators could not be written
-    finally:
-        zk_server.thaw()
     assert lk.hold_count == 1
     lk.release()
-    assert distlocks.lock(name, using=other).acquire(wait=10)
-    distlocks.lock(name, using=other).release()
+    assert_free_for(other, name)
 
 
 def test_a_last_release_that_met_a_frozen_server_frees_the_lock_once_it_answers(zk_server, settings, name):
     alias, other = own_aliases(settings, zk_server, "own", "other", SESSION_TIMEOUT=20, CONNECT_TIMEOUT=1)
     lk = distlocks.lock(name, using=alias)
     assert lk.acquire(wait=5)
-    zk_server.freeze()
-    try:
-        with pytest.raises(distlocks.BackendUnavailable):
-            lk.release()
-    finally:
-        zk_server.thaw()
-    assert distlocks.lock(name, using=other).acquire(wait=10)
-    distlocks.lock(name, using=other).release()
+    with frozen(zk_server), pytest.raises(distlocks.BackendUnavailable):
+        lk.release()
+    assert_free_for(other, name)
 
 
 def test_a_reentered_hold_the_core_marked_lost_frees_the_lock_at_its_last_release(zk_server, settings, name):
@@ -240,19 +231,15 @@ def test_a_reentered_hold_the_core_marked_lost_frees_the_lock_at_its_last_releas
     lk = distlocks.lock(name, using=alias, ttl=2)
     assert lk.acquire(wait=5)
     assert lk.acquire(wait=5)
-    zk_server.freeze()
-    try:
+    with frozen(zk_server):
         deadline = time.monotonic() + 10
         while not lk.lost and time.monotonic() < deadline:
             time.sleep(0.05)
         assert lk.lost
-    finally:
-        zk_server.thaw()
     for _ in range(2):
         with pytest.raises(distlocks.LockLost):
             lk.release()
-    assert distlocks.lock(name, using=other).acquire(wait=10)
-    distlocks.lock(name, using=other).release()
+    assert_free_for(other, name)
 
 
 def test_drop_frees_the_lock_of_a_thread_that_ended_holding_it_without_blocking_when_the_server_freezes(
@@ -272,15 +259,11 @@ def test_drop_frees_the_lock_of_a_thread_that_ended_holding_it_without_blocking_
     thread.join(30)
     key, owner = held[0]
     backend = locks[alias]
-    zk_server.freeze()
-    try:
+    with frozen(zk_server):
         started = time.monotonic()
         assert backend.drop(key, owner) is True
         assert time.monotonic() - started < 0.5
-    finally:
-        zk_server.thaw()
-    assert distlocks.lock(name, using=other).acquire(wait=10)
-    distlocks.lock(name, using=other).release()
+    assert_free_for(other, name)
     assert backend.drop(key, owner) is False
 
 
@@ -290,15 +273,10 @@ def test_drop_frees_the_lock_of_a_thread_that_ended_holding_it_without_blocking_
 def test_a_create_answered_after_its_time_out_leaves_no_node_when_the_server_freezes(zk_server, settings, name):
     alias, other = own_aliases(settings, zk_server, "own", "other", SESSION_TIMEOUT=20, CONNECT_TIMEOUT=1)
     # Connected before the freeze (own_aliases): the create is sent, and waits in the server's socket.
-    zk_server.freeze()
-    try:
-        with pytest.raises(distlocks.BackendUnavailable):
-            distlocks.lock(name, using=alias).acquire(wait=0)
-    finally:
-        zk_server.thaw()
+    with frozen(zk_server), pytest.raises(distlocks.BackendUnavailable):
+        distlocks.lock(name, using=alias).acquire(wait=0)
     # The server creates the node now; it must be deleted again, or it blocks the lock for the session's life.
-    assert distlocks.lock(name, using=other).acquire(wait=10)
-    distlocks.lock(name, using=other).release()
+    assert_free_for(other, name)
 
 
 # -- 18: AUTH, ACLs and strangers' nodes --
