@@ -162,7 +162,7 @@ class DatabaseBackend(QueuedBackend):
         self._run(lambda connection: execute(connection, sql_for(connection).rw.drop, [key, "waiting", secret]))
 
     def rw_wait(self, key: str, mode: str, attempt: int, remaining: float | None) -> None:
-        sleep(min(POLL_FIRST * 2**attempt, POLL_MAX), deadline_after(remaining))
+        sleep(min(POLL_FIRST * 2 ** min(attempt, 5), POLL_MAX), deadline_after(remaining))  # 2**1024 is no float
 
     def rw_force_release(self, key: str, token: int | None = None) -> bool:
         def attempt(connection: BaseDatabaseWrapper) -> bool:
