@@ -1,9 +1,11 @@
 """``alock()``: the lock for asyncio code, owned by the task, on the sync core.
 
-Each call to the server runs in one bounded pool of threads shared by the
-process, acting as the calling task (its owner identity and its table of
-holds: see ``holds.acting_for``), so that reentrancy, tokens, signals and the
-watchdog are the sync lock's own. Waiting happens on the event loop, holding
+On a backend with ``async_primitives`` (Redis, on ``redis.asyncio``) the
+lock's steps run on the event loop, acting as the calling task (its owner
+identity and its table of holds: see ``holds.acting_for``), and await the
+primitives for their calls to the server. On the others each call runs in one
+bounded pool of threads shared by the process, acting as the task. Either way
+reentrancy, tokens, signals and the watchdog are the sync lock's own. Waiting happens on the event loop, holding
 no thread, as the backend's ``async_turn`` says: on Redis the task queues like
 a waiting thread and the loop reads its hand-over from pub/sub, so threads and
 tasks are served in turn; elsewhere it sleeps with the core's backoff. A
@@ -28,11 +30,11 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Generic, TypeVar, overload
 
-from distlocks.backends.base import AsyncTurn, check_wait
+from distlocks.backends.base import AsyncPrimitives, AsyncTurn, check_wait
 from distlocks.exceptions import LockNotAcquired
 from distlocks.handler import DEFAULT_ALIAS, locks
 from distlocks.holds import Hold, acting_for
-from distlocks.lock import _DEFAULT, DistributedLock
+from distlocks.lock import _DEFAULT, DistributedLock, Steps
 from distlocks.owner import Owner, acting_as, asyncio_task_owner
 
 T = TypeVar("T")
@@ -231,13 +233,18 @@ class AsyncDistributedLock(AsyncLockAPI):
         wait = self.wait if wait is _DEFAULT else check_wait(wait)
         deadline = None if wait is None else called + wait
         state = _current()
-        turn = self.lock.primitives(locks[self.alias]).async_turn(self.lock.key)
+        backend = self.lock.primitives(locks[self.alias])
+        native = backend.async_primitives()
+        turn = backend.async_turn(self.lock.key)
         attempt = 0
         tried: asyncio.Future[bool] | None = None
         try:
             while True:
-                tried = _submit(state, self.lock._acquire, 0, called, False, turn)
-                if await attempt_or_undo(tried, self.lock.release):
+                if native is None:
+                    tried = _submit(state, self.lock._acquire, 0, called, False, turn)
+                else:
+                    tried = asyncio.ensure_future(self._attempt(state, native, called, turn))
+                if await attempt_or_undo(tried, self.lock.release, self.lock._release if native else None):
                     return True
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
@@ -247,23 +254,51 @@ class AsyncDistributedLock(AsyncLockAPI):
                 attempt += 1
         finally:
             if tried is None or tried.done():
-                leaving = self._end(state, turn, tried)
+                leaving = self._end(state, native, turn, tried)
                 if leaving is not None:
                     await finish(leaving)
             else:  # cancelled during an attempt: the wait ends with it, without holding up the task
-                tried.add_done_callback(lambda _: self._end(state, turn, tried))
+                tried.add_done_callback(lambda _: self._end(state, native, turn, tried))
+
+    async def _attempt(self, state: _TaskState, native: AsyncPrimitives, called: float, turn: AsyncTurn) -> bool:
+        """One attempt on the loop, as ``DistributedLock._acquire(0)`` in a thread (failures told by the caller)."""
+        lock = self.lock
+        hold = state.holds.get((lock.alias, lock.key))
+        if hold is not None:
+            await run_steps(state, lock._reenter(hold))
+            return True
+        started = time.monotonic()
+        try:
+            token = await native.try_acquire(lock.key, state.owner, lock.ttl, turn)
+        except Exception as exc:
+            lock._failed(called, exc)
+            raise
+        if token is None:
+            return False
+        await run_steps(state, lock._record(locks[lock.alias], state.owner, token, started, called))
+        return True
 
     def _end(
-        self, state: _TaskState, turn: AsyncTurn, tried: asyncio.Future[bool] | None
+        self,
+        state: _TaskState,
+        native: AsyncPrimitives | None,
+        turn: AsyncTurn,
+        tried: asyncio.Future[bool] | None,
     ) -> asyncio.Future[None] | None:
-        """Stop waiting once the last attempt has ended; leaving the queue on the server, if need be, runs in the pool."""
+        """Stop waiting once the last attempt has ended, leaving the queue on the server if need be (in the pool,
+        or on the loop)."""
         acquired = tried is not None and not tried.cancelled() and tried.exception() is None and tried.result()
+        if native is not None:
+            return asyncio.ensure_future(native.end_wait(turn, acquired))
         leave = turn.end(acquired)
         return None if leave is None else _submit(state, lambda: leave(locks[self.alias]))
 
     async def release(self) -> None:
         """Release one hold, as ``DistributedLock.release``; it completes even if the task is cancelled meanwhile."""
-        await finish(in_pool(self.lock.release))
+        if self.lock.primitives(locks[self.alias]).async_primitives() is None:
+            await finish(in_pool(self.lock.release))
+        else:
+            await finish(asyncio.ensure_future(run_steps(_current(), self.lock._release())))
 
 
 def _submit(state: _TaskState, func: Callable[..., T], *args: Any) -> asyncio.Future[T]:
@@ -271,20 +306,53 @@ def _submit(state: _TaskState, func: Callable[..., T], *args: Any) -> asyncio.Fu
     return asyncio.get_running_loop().run_in_executor(_pool.get(), state.run, func, *args)
 
 
-async def attempt_or_undo(attempt: asyncio.Future[T], undo: Callable[[], object]) -> T:
-    """Await an ``attempt`` running in the pool; if the task is cancelled meanwhile and it ends taking the lock
-    (it returns True), ``undo()`` that."""
+async def attempt_or_undo(
+    attempt: asyncio.Future[T], undo: Callable[[], object], undo_on_loop: Callable[[], Steps[None]] | None = None
+) -> T:
+    """Await an ``attempt`` (running in the pool, or on the loop); if the task is cancelled meanwhile and it ends
+    taking the lock (it returns True), ``undo()`` that in the pool, or run the steps ``undo_on_loop()`` on the loop."""
     state = _current()
     try:
         return await asyncio.shield(attempt)
     except asyncio.CancelledError:
-        attempt.add_done_callback(functools.partial(_undo, state, undo))
+        attempt.add_done_callback(functools.partial(_undo, state, undo, undo_on_loop))
         raise
 
 
-def _undo(state: _TaskState, undo: Callable[[], object], attempt: asyncio.Future[Any]) -> None:
+def _undo(
+    state: _TaskState,
+    undo: Callable[[], object],
+    undo_on_loop: Callable[[], Steps[None]] | None,
+    attempt: asyncio.Future[Any],
+) -> None:
     if not attempt.cancelled() and attempt.exception() is None and attempt.result() is True:
-        _pool.get().submit(state.run, undo)
+        if undo_on_loop is None:
+            _pool.get().submit(state.run, undo)
+        else:
+            _retrieved(asyncio.ensure_future(run_steps(state, undo_on_loop())))
+
+
+async def run_steps(state: _TaskState, steps: Steps[T]) -> T:
+    """Run a lock's ``steps`` on the loop as the task of ``state``, awaiting the backend's async primitives for
+    their calls (``lock.run_steps`` does it in a thread). Only the steps between two calls act as the task: the
+    loop's thread runs other tasks meanwhile."""
+    result: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            with state.acting():
+                backend, method, args = steps.send(result) if error is None else steps.throw(error)
+        except StopIteration as done:
+            return done.value
+        try:
+            result, error = await getattr(backend.async_primitives(), method)(*args), None
+        except BaseException as exc:  # noqa: B036 - thrown into the step, where the call was
+            result, error = None, exc
+
+
+def _retrieved(call: asyncio.Future[Any]) -> None:
+    """Let ``call`` end unawaited: an error of its is not logged as never retrieved (the lease runs out)."""
+    call.add_done_callback(lambda done: done.cancelled() or done.exception())
 
 
 async def finish(call: asyncio.Future[T]) -> T:
@@ -292,7 +360,7 @@ async def finish(call: asyncio.Future[T]) -> T:
     try:
         return await asyncio.shield(call)
     except asyncio.CancelledError:
-        call.add_done_callback(lambda done: done.cancelled() or done.exception())  # retrieved: not logged
+        _retrieved(call)
         raise
 
 

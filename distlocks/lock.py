@@ -6,7 +6,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from types import TracebackType
 from typing import Any, NoReturn, ParamSpec, TypeVar
 
@@ -44,6 +44,27 @@ _DEFAULT: Any = _Default()
 
 L = TypeVar("L", bound="LockAPI")
 E = TypeVar("E", bound=LockError)
+
+#: A call a lock's step makes to the server: the backend, its method's name and the arguments.
+Call = tuple[BaseLockBackend, str, tuple[Any, ...]]
+#: A lock's step with its calls to the server yielded, so that the thread (``run_steps``) or the
+#: event loop (``distlocks.aio``, on a backend's ``async_primitives``) makes them.
+Steps = Generator[Call, Any, R]
+
+
+def run_steps(steps: Steps[R]) -> R:
+    """Run ``steps`` in the calling thread: each call is made and its result (or error) sent back."""
+    result: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            backend, method, args = steps.send(result) if error is None else steps.throw(error)
+        except StopIteration as done:
+            return done.value
+        try:
+            result, error = getattr(backend, method)(*args), None
+        except BaseException as exc:  # noqa: B036 - thrown into the step, where the call was
+            result, error = None, exc
 
 
 class LockAPI:
@@ -224,10 +245,9 @@ class DistributedLock(LockAPI):
     ) -> bool:
         """``acquire()`` called at ``called`` (monotonic); an async caller that tries again has the failure told later."""
         backend = self.primitives(locks[self.alias])
-        mine = holds()
-        hold = mine.get((self.alias, self.key))
+        hold = holds().get((self.alias, self.key))
         if hold is not None:
-            self._reenter(hold, hold.backend_here())
+            run_steps(self._reenter(hold))
             return True
         owner = current_owner()
         try:
@@ -240,8 +260,13 @@ class DistributedLock(LockAPI):
                 logger.debug("Lock %r on %r not acquired within %ss", self.name, self.alias, wait)
                 self._failed(called, None)
             return False
-        token, started = taken
+        run_steps(self._record(backend, owner, *taken, called))
+        return True
+
+    def _record(self, backend: BaseLockBackend, owner: Owner, token: int, started: float, called: float) -> Steps[None]:
+        """Make the lock just taken (``token``, by a request that left at ``started``) the caller's hold, watched."""
         hold = Hold(type(self), backend, self.alias, self.name, self.key, owner, token, self.ttl, started + self.ttl)
+        mine = holds()
         try:
             mine[(self.alias, self.key)] = hold
             if self.renew or backend.session_bound:
@@ -258,11 +283,10 @@ class DistributedLock(LockAPI):
             mine.pop((self.alias, self.key), None)
             watchdog().unwatch(hold)
             with contextlib.suppress(Exception):
-                backend.release(self.key, owner)
+                yield backend, "release", (self.key, owner)
             if isinstance(exc, Exception):
                 self._failed(called, exc)
             raise
-        return True
 
     def _failed(self, called: float, error: Exception | None) -> None:
         """Tell ``lock_acquire_failed`` that the acquire called at ``called`` (monotonic) gave up or raised."""
@@ -301,14 +325,14 @@ class DistributedLock(LockAPI):
         finally:
             backend.end_wait(self.key, acquired=token is not None)
 
-    def _reenter(self, hold: Hold, backend: BaseLockBackend) -> None:
+    def _reenter(self, hold: Hold) -> Steps[None]:
         """Count one more hold, checking on the server that the lease is still ours."""
         if hold.lost:
             raise self._error(LockLost, "was lost while held")
         started = time.monotonic()
         ttl = max(self.ttl, hold.ttl)  # another lock object's shorter ttl must not cut the outer lease
         try:
-            still_held = backend.reenter(self.key, hold.owner, ttl)
+            still_held = yield hold.backend_here(), "reenter", (self.key, hold.owner, ttl)
         except Exception:
             hold.uncounted += 1  # the server may have counted it
             raise
@@ -330,12 +354,12 @@ class DistributedLock(LockAPI):
             hold = self._hold()
             if hold is not None and not hold.lost and after_transactions(self._release_after_transaction):
                 return
-        self._release()
+        run_steps(self._release())
 
     def _release_after_transaction(self, committed: bool) -> None:
         """The deferred release: a failure has nobody left to raise to, so it is logged."""
         try:
-            self._release()
+            run_steps(self._release())
         except LockError as exc:
             # After a commit the writes may have gone in unprotected: say so. After
             # a rollback nothing was written (and SQLite's rollback drops the lock).
@@ -343,31 +367,29 @@ class DistributedLock(LockAPI):
             when = "its transaction committed" if committed else "its transaction rolled back"
             logger.log(level, "Lock %r on %r released after %s: %s", self.name, self.alias, when, exc)
 
-    def _release(self) -> None:
+    def _release(self) -> Steps[None]:
+        """Release one hold of the caller's (``release()`` without the wait for a commit)."""
         mine = holds()
         hold = mine.get((self.alias, self.key))
         if hold is None:
             raise self._error(LockNotOwned, "is not held by this thread")
+        backend = hold.backend_here()
         hold.count -= 1
         if hold.count > 0:
-            self._release_inner(hold)
+            yield from self._release_inner(hold, backend)
             return
         del mine[(self.alias, self.key)]
         watchdog().unwatch(hold)
-        backend = hold.backend_here()
         if hold.lost:
             with contextlib.suppress(Exception):  # our own leftovers (an expired row, a node), if any
-                if backend.session_bound:
-                    backend.drop(self.key, hold.owner)
-                else:
-                    backend.release(self.key, hold.owner)
+                yield backend, "drop" if backend.session_bound else "release", (self.key, hold.owner)
             raise self._error(LockLost, "was lost while held")
         # An error here leaves the lease unrenewed: it runs out (a session-bound
         # backend deletes its node as soon as it can).
-        released = backend.release(self.key, hold.owner)
+        released = yield backend, "release", (self.key, hold.owner)
         for _ in range(hold.uncounted if released else 0):
             # Inner holds whose release failed may still count on the server.
-            if not backend.release(self.key, hold.owner):
+            if not (yield backend, "release", (self.key, hold.owner)):
                 break
         if not released:
             self._lost(hold, "its lease was gone at release")
@@ -376,12 +398,12 @@ class DistributedLock(LockAPI):
             held = time.monotonic() - hold.acquired
             lock_released.send_robust(sender=type(self), name=self.name, alias=self.alias, token=hold.token, held=held)
 
-    def _release_inner(self, hold: Hold) -> None:
+    def _release_inner(self, hold: Hold, backend: BaseLockBackend) -> Steps[None]:
         """Release a hold that is not the last: the outer one goes on, renewed."""
         if hold.lost:
             raise self._error(LockLost, "was lost while held")
         try:
-            still_held = hold.backend_here().release(self.key, hold.owner)
+            still_held = yield backend, "release", (self.key, hold.owner)
         except Exception:
             hold.uncounted += 1  # the server may still count it: the last release makes sure
             raise

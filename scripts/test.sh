@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/lib.sh
-apt_ensure pkg-config libmariadb-dev mariadb-client postgresql-client redis-server zookeeper chromium docker-compose pgbouncer galera-4
+apt_ensure pkg-config libmariadb-dev mariadb-client postgresql postgresql-client redis-server zookeeper chromium docker-compose pgbouncer galera-4
 venv_install -r requirements.txt
 ensure_databases
 .venv/bin/ruff check .

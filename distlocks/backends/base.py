@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Protocol
 
 from django.core.checks import CheckMessage
 from django.core.exceptions import ImproperlyConfigured
@@ -141,6 +141,24 @@ class AsyncTurn:
         return None
 
 
+class AsyncPrimitives(Protocol):
+    """A backend's lock calls as coroutines on the running event loop (``async_primitives``): no pool thread.
+
+    ``distlocks.aio`` runs the lock's own steps (``DistributedLock._reenter``,
+    ``_record``, ``_release``) on the loop and awaits these for their calls.
+    """
+
+    async def try_acquire(self, key: str, owner: Owner, ttl: float, turn: AsyncTurn) -> int | None:
+        """One attempt as the waiter ``turn`` (made by ``async_turn``); its token, or None."""
+
+    async def end_wait(self, turn: AsyncTurn, acquired: bool) -> None:
+        """Stop waiting as ``turn`` (see ``AsyncTurn.end``), leaving the queue on the server if need be."""
+
+    async def reenter(self, key: str, owner: Owner, ttl: float) -> bool: ...
+
+    async def release(self, key: str, owner: Owner) -> bool: ...
+
+
 class BaseLockBackend:
     """Primitives a lock server offers; ``DistributedLock`` builds the lock on them.
 
@@ -241,6 +259,10 @@ class BaseLockBackend:
     def async_turn(self, key: str) -> AsyncTurn:
         """A new async waiter for ``key`` (see AsyncTurn); called on the event loop."""
         return AsyncTurn()
+
+    def async_primitives(self) -> AsyncPrimitives | None:
+        """The lock calls as coroutines, for a backend whose client has an asyncio form; None: pool threads."""
+        return None
 
     # -- read-write locks (see distlocks.rwlock): ``mode`` is "read" or "write" ---------
 

@@ -242,6 +242,76 @@ def galera(tmp_path):
         process.wait(60)
 
 
+class PostgresServer:
+    """A PostgreSQL server of the test's own, from its own data directory: it can be crashed (SIGKILL) and started again.
+
+    Runs as ``postgres`` when the tests run as root (the server refuses root).
+    """
+
+    def __init__(self, bin_dir: Path, directory: Path) -> None:
+        self.bin_dir, self.data, self.port = bin_dir, directory / "data", _free_port()
+        self.user = "postgres" if os.getuid() == 0 else None
+        self.process: subprocess.Popen[bytes] | None = None
+        initdb = [str(bin_dir / "initdb"), "-D", str(self.data), "-A", "trust", "-U", "postgres"]
+        subprocess.run(initdb, user=self.user, check=True, capture_output=True, timeout=300)
+
+    def start(self) -> None:
+        command = [str(self.bin_dir / "postgres"), "-D", str(self.data), "-p", str(self.port)]
+        command += ["-c", "listen_addresses=127.0.0.1", "-c", f"unix_socket_directories={self.data}"]
+        self.process = subprocess.Popen(command, user=self.user, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait_for(self.process, "postgres", self._answers)
+
+    def _answers(self) -> bool:
+        ready = [str(self.bin_dir / "pg_isready"), "-q", "-h", "127.0.0.1", "-p", str(self.port)]
+        return subprocess.run(ready, timeout=30).returncode == 0
+
+    def crash(self) -> None:
+        """SIGKILL the postmaster and every process of the server at once: nothing is shut down cleanly."""
+        assert self.process is not None
+        children = [pid for pid in _pids() if _stat(pid)[1:2] == [str(self.process.pid)]]
+        for pid in [self.process.pid, *children]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.process.wait(30)
+        for pid in children:
+            while _stat(pid)[:1] not in ([], ["Z"]):  # the new postmaster must find none still using the old memory
+                time.sleep(0.01)
+
+
+def _pids() -> list[int]:
+    return [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
+
+
+def _stat(pid: int) -> list[str]:
+    """Process ``pid``'s state and parent (``/proc/PID/stat`` after the name), or [] if it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:2]
+    except (FileNotFoundError, ProcessLookupError):
+        return []
+
+
+@pytest.fixture
+def own_postgresql():
+    """A PostgreSQL server of the test's own (see PostgresServer), started; its binaries come with Debian's postgresql."""
+    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
+    if not found:
+        pytest.fail(
+            "no PostgreSQL server binaries under /usr/lib/postgresql: install Debian's postgresql (scripts/test.sh does)"
+        )
+    directory = Path(tempfile.mkdtemp(prefix="distlocks-postgresql-"))
+    if os.getuid() == 0:
+        shutil.chown(directory, "postgres")
+    server = PostgresServer(found[-1].parent, directory)
+    try:
+        server.start()
+        yield server
+    finally:
+        if server.process is not None and server.process.poll() is None:
+            server.process.terminate()
+            server.process.wait(60)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def behind_proxy(alias):
     """Yield a FreezableProxy to the database of lock ``alias``, and lock alias "proxied" (TIMEOUT 1 s) through it.

@@ -18,6 +18,13 @@ from tests.servers import REDIS_PORT
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
+async def ticker(ticks):
+    """Note the time every 50 ms: a gap shows the loop stalled."""
+    while True:
+        await asyncio.sleep(0.05)
+        ticks.append(time.monotonic())
+
+
 def test_a_task_cancelled_while_its_attempt_hangs_leaves_no_lock_once_the_server_answers(own_redis, name):
     """The attempt goes on in the pool after the cancel; when it ends holding the lock, the lock is released."""
     server = own_redis(REDIS_PORT + 90, SOCKET_CONNECT_TIMEOUT=2, SOCKET_TIMEOUT=10)
@@ -54,12 +61,7 @@ def test_a_task_waiting_in_the_queue_of_a_frozen_redis_gets_backend_unavailable_
     ticks = []
 
     async def main():
-        async def ticker():
-            while True:
-                await asyncio.sleep(0.05)
-                ticks.append(time.monotonic())
-
-        ticking = asyncio.create_task(ticker())
+        ticking = asyncio.create_task(ticker(ticks))
         waiting = asyncio.create_task(distlocks.alock(name, using="own").acquire(wait=60))
         deadline = time.monotonic() + 30
         while client.zcard(queue) != 1:  # it waits in the lock's queue
@@ -79,3 +81,32 @@ def test_a_task_waiting_in_the_queue_of_a_frozen_redis_gets_backend_unavailable_
         await lk.release()
 
     asyncio.run(main())
+
+
+def test_a_task_on_a_frozen_redis_gets_backend_unavailable_in_bounded_time_without_a_pool_thread(
+    own_redis, name, monkeypatch
+):
+    """The native path (redis.asyncio) keeps the cache's SOCKET_TIMEOUT: a held lock's release and a new acquire
+    on a frozen server fail in bounded time, while the loop runs on; no call went through the pool."""
+    from distlocks import aio
+
+    server = own_redis(REDIS_PORT + 92, SOCKET_CONNECT_TIMEOUT=1, SOCKET_TIMEOUT=2)
+    ticks = []
+
+    async def main():
+        ticking = asyncio.create_task(ticker(ticks))
+        lk = distlocks.alock(name, using="own", ttl=30)
+        assert await lk.acquire(wait=0)  # connections are open: the frozen server's kernel takes the requests
+        with frozen(server):
+            for call in (lk.release, lambda: distlocks.alock(name + "-2", using="own").acquire(wait=0)):
+                frozen_at = time.monotonic()
+                with pytest.raises(distlocks.BackendUnavailable):
+                    await call()
+                took = time.monotonic() - frozen_at
+                assert took < 15, f"BackendUnavailable only after {took:.1f}s"  # socket timeout 2 s
+                assert ticks[-1] > time.monotonic() - 1, "the loop stalled"
+        ticking.cancel()
+
+    monkeypatch.setattr(aio, "_pool", aio._Pool())  # a pool of its own, started by the first call it runs
+    asyncio.run(main())
+    assert aio._pool.executor is None, "a call went through the thread pool"

@@ -15,6 +15,7 @@ from django.db import connections
 import distlocks
 from distlocks.backends.db import close_connections
 from distlocks.backends.mysql import server_name
+from distlocks.exceptions import LockLost
 from distlocks.handler import locks
 from distlocks.signals import lock_lost
 from tests.conftest import DB, NATIVE_ALIASES, Holder, queue_waiters
@@ -233,6 +234,20 @@ def extra_alias(settings, alias, database, backend):
         del connections.settings[alias]
 
 
+def connect_unguarded(alias):
+    """Connect Django's connection ``alias`` to a database of the test's own, which Django's tests guard against.
+
+    The guard refuses a new connection under an alias the test did not declare:
+    connect under another name first, then serve as ``alias``.
+    """
+    connections[alias].close()
+    connection = type(connections[alias])(connections[alias].settings_dict, alias=f"unguarded:{alias}")
+    connection.ensure_connection()
+    connection.alias = alias
+    connections[alias] = connection
+    return connection
+
+
 def behind_pgbouncer(port):
     return {**connections["postgresql"].settings_dict, "HOST": "127.0.0.1", "PORT": str(port)}
 
@@ -262,6 +277,42 @@ def test_the_table_backend_serves_waiters_in_turn_behind_pgbouncer_in_transactio
         assert order == ["A", "B"]
         assert places_queued(alias, name) == 0  # the same database, reached directly
         assert list(pooled.held()) == []
+
+
+@pytest.mark.parametrize("alias", ["postgresql_native"], indirect=True)
+def test_tokens_keep_growing_and_leases_are_gone_after_the_server_crashes(alias, settings, own_postgresql, name):
+    # The lease table is UNLOGGED (its rows, like the advisory locks, end with
+    # the crash) and the tokens come from a logged, uncached sequence.
+    database = {**connections["postgresql"].settings_dict, "NAME": "postgres", "USER": "postgres", "PASSWORD": ""}
+    database.update(HOST="127.0.0.1", PORT=str(own_postgresql.port))
+    with extra_alias(settings, "crashed", database, "distlocks.backends.postgresql.AdvisoryLockBackend") as backend:
+        call_command("migrate", "distlocks", database=connect_unguarded("crashed").alias, verbosity=0)
+        with connections["crashed"].cursor() as cursor:
+            cursor.execute(
+                "SELECT c.relname, c.relpersistence, s.seqcache FROM pg_class c LEFT JOIN pg_sequence s"
+                " ON s.seqrelid = c.oid WHERE c.relname IN ('distlocks_native_lease', 'distlocks_native_token') ORDER BY 1"
+            )
+            assert cursor.fetchall() == [("distlocks_native_lease", "u", None), ("distlocks_native_token", "p", 1)]
+        tokens = []
+        for _ in range(40):  # past the sequence's second WAL record (one every 32 values)
+            with distlocks.lock(name, using="crashed") as taken:
+                tokens.append(taken.token)
+        held = distlocks.lock(f"{name}-held", using="crashed")
+        assert held.acquire()
+        tokens.append(held.token)
+        own_postgresql.crash()  # at once: the WAL writer has had no time to write the last commits
+        own_postgresql.start()
+        with pytest.raises(LockLost):
+            held.release()
+        with connect_unguarded("crashed").cursor() as cursor:
+            cursor.execute("SELECT COUNT(*) FROM distlocks_native_lease")
+            assert cursor.fetchone()[0] == 0
+        after = []
+        for lock_name in (name, f"{name}-held", name):
+            with distlocks.lock(lock_name, using="crashed") as taken:
+                after.append(taken.token)
+        assert max(tokens) < after[0] < after[1] < after[2], (tokens, after)
+        assert [info.key for info in backend.held()] == []
 
 
 @pytest.mark.parametrize("alias", ["mariadb_native"], indirect=True)

@@ -21,6 +21,7 @@ from typing import Any, Protocol, cast
 
 from distlocks.backends.base import AsyncTurn, BaseLockBackend
 from distlocks.backends.redis.handover import Waiter, give_back, pass_on
+from distlocks.backends.redis.scripts import Attempt
 from distlocks.owner import Owner
 
 logger = logging.getLogger(__name__)
@@ -42,14 +43,23 @@ _SHARED_SETTINGS = (
 
 
 def _async_client(client: Any) -> Any:
-    """An asyncio client to the server of the sync ``client``, with its address, credentials and timeouts."""
+    """An asyncio client to the server of the sync ``client``, with its address, credentials, timeouts and pool size.
+
+    When all its connections are busy, a call waits for one (at most its
+    SOCKET_TIMEOUT) instead of failing: many tasks on one loop share them.
+    """
     import redis.asyncio
 
     pool = client.connection_pool
     settings = {k: v for k, v in pool.connection_kwargs.items() if k in _SHARED_SETTINGS or k.startswith("ssl_")}
     connection_class = getattr(redis.asyncio.connection, pool.connection_class.__name__)
     return redis.asyncio.Redis(
-        connection_pool=redis.asyncio.ConnectionPool(connection_class=connection_class, **settings)
+        connection_pool=redis.asyncio.BlockingConnectionPool(
+            connection_class=connection_class,
+            max_connections=pool.max_connections,
+            timeout=settings.get("socket_timeout"),
+            **settings,
+        )
     )
 
 
@@ -65,10 +75,12 @@ class AsyncWaiter(Waiter):
 
 
 class LoopReleases:
-    """One event loop's pub/sub connection to one Redis, read by one task that passes each hand-over on.
+    """One event loop's client of one Redis, and its pub/sub connection read by one task that passes each hand-over on.
 
-    Like the threads' ``Releases``, but read by the loop; it lives as long as
-    the loop (``asyncio.run`` cancels the reader, which closes the connection).
+    Like the threads' ``Releases``, but read by the loop. The client also runs
+    the loop's scripts (``redis.aio``). Both live as long as the loop: the
+    reader task starts with them, subscribes once a task waits, and closes
+    them when cancelled (``asyncio.run`` cancels it at the end).
     """
 
     def __init__(self, client: Any) -> None:
@@ -79,12 +91,12 @@ class LoopReleases:
         self.waiter_ids = (f"{process}.{n}" for n in itertools.count(1))  # unique across processes
         self.waiters: dict[str, AsyncWaiter] = {}
         self.subscribed = asyncio.Event()
-        self.reader: asyncio.Task[None] | None = None
+        self.wanted = asyncio.Event()  # a task waits: subscribe
+        self.reader = asyncio.get_running_loop().create_task(self._read(), name="distlocks-releases")
         self.broken = False
 
     def enlist(self) -> AsyncWaiter:
-        if self.reader is None:
-            self.reader = asyncio.get_running_loop().create_task(self._read(), name="distlocks-releases")
+        self.wanted.set()
         waiter = AsyncWaiter(self.channel, next(self.waiter_ids))
         self.waiters[waiter.id] = waiter
         return waiter
@@ -96,6 +108,7 @@ class LoopReleases:
         from redis.exceptions import RedisError
 
         try:
+            await self.wanted.wait()
             while True:
                 try:
                     if not self.pubsub.subscribed:
@@ -158,7 +171,7 @@ def loop_releases(server: tuple[str, str], client: Callable[[], Any]) -> LoopRel
     """The running loop's hand-overs from ``server`` (cache alias, address), made on first use."""
     servers = _loops.setdefault(asyncio.get_running_loop(), {})
     releases = servers.get(server)
-    if releases is None or (releases.reader is not None and releases.reader.done()):
+    if releases is None or releases.reader.done():
         releases = servers[server] = LoopReleases(client())
     return releases
 
@@ -183,9 +196,11 @@ class QueuingBackend(Protocol):
     @staticmethod
     def _rw_keys(key: str) -> tuple[str, str, str]: ...
 
-    def try_acquire_as(self, key: str, owner: Owner, ttl: float, waiter: Waiter | None) -> int | None: ...
+    def attempt(self, key: str, owner: Owner, ttl: float, waiter: Waiter | None) -> Attempt: ...
 
-    def rw_acquire_as(self, key: str, owner: Owner, ttl: float, mode: str, waiter: Waiter | None) -> int | None: ...
+    def rw_attempt(self, key: str, owner: Owner, ttl: float, mode: str, waiter: Waiter | None) -> Attempt: ...
+
+    def _run(self, attempt: Attempt) -> int | None: ...
 
     def leave_queue(self, key: str, waiter: Waiter, mode: str = "") -> None: ...
 
@@ -206,10 +221,16 @@ class RedisTurn(AsyncTurn):
     def try_acquire(self, backend: BaseLockBackend, key: str, owner: Owner, ttl: float) -> int | None:
         # The pool thread's RedisBackend, or a read-write lock's side (rwlock) wrapping it.
         redis = cast(QueuingBackend, getattr(backend, "backend", backend))
+        return self.attempted(redis, redis._run(self.attempt(redis, key, owner, ttl)))
+
+    def attempt(self, redis: QueuingBackend, key: str, owner: Owner, ttl: float) -> Attempt:
+        """The steps of one attempt as this waiter, to run in a thread or on the loop."""
         if self.mode:
-            token = redis.rw_acquire_as(self.key, owner, ttl, self.mode, self.waiter)
-        else:
-            token = redis.try_acquire_as(key, owner, ttl, self.waiter)
+            return redis.rw_attempt(self.key, owner, ttl, self.mode, self.waiter)
+        return redis.attempt(key, owner, ttl, self.waiter)
+
+    def attempted(self, redis: QueuingBackend, token: int | None) -> int | None:
+        """Keep how long the attempt that gave ``token`` said to wait at most."""
         self.hint = redis._wait_hint.pop(self.slot, 1.0)
         return token
 

@@ -6,17 +6,17 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
-from datetime import datetime, timedelta, timezone
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 
-from distlocks.backends.base import AsyncTurn, BaseLockBackend, LockInfo
+from distlocks.backends.base import AsyncPrimitives, AsyncTurn, BaseLockBackend, LockInfo
+from distlocks.backends.redis import listing
 from distlocks.backends.redis.handover import Releases, Waiter, releases_for
-from distlocks.backends.redis.keys import RW_SUFFIX, key_of, lock_hash, lock_keys
-from distlocks.backends.redis.scripts import registered
+from distlocks.backends.redis.keys import RW_SUFFIX, lock_hash, lock_keys
+from distlocks.backends.redis.scripts import Attempt, ScriptCall, registered
 from distlocks.backends.redis.server import (
     TIMEOUTS,
     connection_errors,
@@ -55,6 +55,7 @@ class RedisBackend(BaseLockBackend):
         self._client_scripts: dict[str, Any] | None = None
         self._process_releases: Releases | None = None
         self._waited_at = -math.inf
+        self._async_primitives: AsyncPrimitives | None = None
 
     @property
     def client(self) -> Any:
@@ -110,13 +111,25 @@ class RedisBackend(BaseLockBackend):
         return max(1, round(ttl * 1000))
 
     def try_acquire(self, key: str, owner: Owner, ttl: float) -> int | None:
-        return self.try_acquire_as(key, owner, ttl, self._waiting.get(key))
+        return self._run(self.attempt(key, owner, ttl, self._waiting.get(key)))
 
     def try_acquire_as(self, key: str, owner: Owner, ttl: float, waiter: Waiter | None) -> int | None:
         """One attempt, by ``waiter`` if it waits (a thread's, or an async task's: see ``aiowait``)."""
-        return self._attempt(
-            "acquire", self._keys(key), [], key, owner, ttl, waiter, lambda: self.extend(key, owner, ttl)
-        )
+        return self._run(self.attempt(key, owner, ttl, waiter))
+
+    def attempt(self, key: str, owner: Owner, ttl: float, waiter: Waiter | None) -> Attempt:
+        """The steps of one attempt at the lock ``key`` (see ``_attempt``)."""
+        renewal: ScriptCall = ("extend", [self._hash(key)], [owner.secret, self._ms(ttl)])
+        return self._attempt("acquire", self._keys(key), [], key, owner, ttl, waiter, renewal)
+
+    def _run(self, attempt: Attempt) -> int | None:
+        """Run an attempt's script calls in the calling thread."""
+        try:
+            call = next(attempt)
+            while True:
+                call = attempt.send(self._call(*call))
+        except StopIteration as done:
+            return done.value
 
     def _attempt(
         self,
@@ -127,16 +140,16 @@ class RedisBackend(BaseLockBackend):
         owner: Owner,
         ttl: float,
         waiter: Waiter | None,
-        renew: Callable[[], bool],
+        renewal: ScriptCall,
         mode: str = "",
-    ) -> int | None:
+    ) -> Attempt:
         """One attempt of a lock's or a read-write lock's side (``mode``): ``script`` with ``args`` and the owner's.
 
         A ``waiter`` queues when it does not get it, and takes what a release
         handed it. A failed attempt leaves the most to wait in ``_wait_hint[slot]``.
         """
         if waiter is not None and waiter.token:
-            return self._handed_over(waiter, ttl, renew, waiter.token)
+            return (yield from self._handed_over(waiter, ttl, renewal, waiter.token))
         lease = self._ms(ttl)
         args += [owner.secret, lease, _info(owner)]
         if waiter is not None:
@@ -144,27 +157,29 @@ class RedisBackend(BaseLockBackend):
             if waiter.queued:
                 args.append("queued")
         sent = time.monotonic()
-        token = int(self._call(script, keys, args))
+        token = int((yield script, keys, args))
         if token > 0:
             # Taken now, or (a queued waiter) handed over by a release whose message it had not read.
-            return self._handed_over(waiter, ttl, renew, token) if waiter and waiter.queued else token
+            if waiter and waiter.queued:
+                return (yield from self._handed_over(waiter, ttl, renewal, token))
+            return token
         if waiter is not None and not waiter.queued:
             waiter.queued = True
             waiter.queued_at = sent
         self._wait_hint[slot] = -token / 1000
         return None
 
-    def _handed_over(self, waiter: Waiter, ttl: float, renew: Callable[[], bool], token: int) -> int | None:
+    def _handed_over(self, waiter: Waiter, ttl: float, renewal: ScriptCall, token: int) -> Attempt:
         """Take a lock a release handed to ``waiter``, if its lease is surely still ours.
 
         The lease began at the hand-over, which came after the waiter queued: a
         waiter that queued less than a third of ``ttl`` ago has two thirds of the
         lease ahead at least. One that waited longer, or whose process was paused
-        meanwhile, renews it first (``renew``): the lease may have run out and the
+        meanwhile, renews it first (``renewal``): the lease may have run out and the
         lock gone to someone else. Then it queues again.
         """
         waiter.token = 0
-        if time.monotonic() - waiter.queued_at <= ttl / 3 or renew():
+        if time.monotonic() - waiter.queued_at <= ttl / 3 or (yield renewal):
             return token
         logger.info("A lock handed over to a waiter was gone when it woke: queueing again")
         return None
@@ -247,6 +262,15 @@ class RedisBackend(BaseLockBackend):
 
         return RedisTurn(self, key)
 
+    def async_primitives(self) -> AsyncPrimitives:
+        """The same scripts as coroutines on the event loop's ``redis.asyncio`` client (see ``redis.aio``)."""
+        primitives = self._async_primitives
+        if primitives is None:
+            from distlocks.backends.redis.aio import AsyncRedis
+
+            primitives = self._async_primitives = AsyncRedis(self)
+        return primitives
+
     # -- read-write locks (see rwscripts) ----------------------------------------
 
     rw_supported = True
@@ -264,9 +288,12 @@ class RedisBackend(BaseLockBackend):
 
     def rw_acquire_as(self, key: str, owner: Owner, ttl: float, mode: str, waiter: Waiter | None) -> int | None:
         """One attempt at the ``mode`` side, by ``waiter`` if it waits (a thread's, or an async task's)."""
+        return self._run(self.rw_attempt(key, owner, ttl, mode, waiter))
+
+    def rw_attempt(self, key: str, owner: Owner, ttl: float, mode: str, waiter: Waiter | None) -> Attempt:
         keys = self._rw_keys(key)
-        renew = lambda: self.rw_extend(key, owner, ttl, mode)  # noqa: E731
-        return self._attempt("rw_acquire", keys, [mode], keys[0], owner, ttl, waiter, renew, mode)
+        renewal: ScriptCall = ("rw_renew", keys, [owner.secret, self._ms(ttl), mode, 0])
+        return self._attempt("rw_acquire", keys, [mode], keys[0], owner, ttl, waiter, renewal, mode)
 
     def rw_async_turn(self, key: str, mode: str) -> AsyncTurn:
         from distlocks.backends.redis.aiowait import RedisTurn
@@ -296,72 +323,16 @@ class RedisBackend(BaseLockBackend):
     def rw_force_release(self, key: str, token: int | None = None) -> bool:
         return bool(self._rw_call("rw_force_release", key, ["" if token is None else str(token)]))
 
-    def _rw_held(self) -> Iterator[LockInfo]:
-        client = self.client
-        for raw in client.scan_iter(match=f"distlocks:{{*}}{RW_SUFFIX}", count=500):
-            rw_hash = raw.decode() if isinstance(raw, bytes) else raw
-            fields = {k.decode(): v.decode() for k, v in client.hgetall(rw_hash).items()}
-            now = datetime.now(timezone.utc)
-            clock = time.time() * 1000
-            waiting = sum(1 for field, ends in fields.items() if field.startswith("q:") and int(ends) > clock)
-            holds: list[tuple[str, int, int, int, str]] = []
-            if "w" in fields and int(fields["we"]) > clock:
-                holds.append(("write", int(fields["we"]), int(fields["wc"]), int(fields["wt"]), fields["wi"]))
-            for field, entry in fields.items():
-                if field.startswith("r:"):
-                    ends, count, token, info = entry.split(" ", 3)
-                    if int(ends) > clock:
-                        holds.append(("read", int(ends), int(count), int(token), info))
-            for mode, ends, count, token, info in holds:
-                acquired, _, owner = info.partition(" ")
-                yield LockInfo(
-                    alias=self.alias,
-                    key=key_of(rw_hash[: -len(RW_SUFFIX)]),
-                    owner=owner,
-                    hold_count=count,
-                    token=token,
-                    acquired_at=datetime.fromtimestamp(int(acquired), timezone.utc) if acquired.isdigit() else None,
-                    expires_at=now + timedelta(milliseconds=ends - clock),
-                    waiters=waiting,
-                    kind=mode,
-                )
-
     # -- inspection and maintenance --------------------------------------------
 
     def held(self) -> Iterator[LockInfo]:
         with self._reaching():
-            yield from self._held()
-            yield from self._rw_held()
-
-    def _held(self) -> Iterator[LockInfo]:
-        for raw in self.client.scan_iter(match="distlocks:{*}", count=500):
-            info = self._info(raw.decode() if isinstance(raw, bytes) else raw)
-            if info is not None:
-                yield info
+            yield from listing.held(self.client, self.alias)
+            yield from listing.rw_held(self.client, self.alias)
 
     def holder(self, key: str) -> LockInfo | None:
         with self._reaching():
-            return self._info(lock_hash(key))
-
-    def _info(self, name: str) -> LockInfo | None:
-        """The lock whose hash is ``name``, if it is held (one round trip)."""
-        pipe = self.client.pipeline(transaction=False)
-        pipe.hgetall(name)
-        pipe.pttl(name)
-        fields, lease_ms = pipe.execute()
-        if not fields or lease_ms < 0:
-            return None
-        fields = {k.decode(): v.decode() for k, v in fields.items()}
-        acquired, _, owner = fields.get("info", "").partition(" ")
-        return LockInfo(
-            alias=self.alias,
-            key=key_of(name),
-            owner=owner,
-            hold_count=int(fields.get("count", 0)),
-            token=int(fields["token"]) if "token" in fields else None,
-            acquired_at=datetime.fromtimestamp(int(acquired), timezone.utc) if acquired.isdigit() else None,
-            expires_at=datetime.now(timezone.utc) + timedelta(milliseconds=lease_ms),
-        )
+            return listing.lock_info(self.client, self.alias, lock_hash(key))
 
     def force_release(self, key: str, token: int | None = None) -> bool:
         return bool(self._call("force_release", self._keys(key), ["" if token is None else token]))
@@ -384,20 +355,7 @@ class RedisBackend(BaseLockBackend):
     def clear_expired(self, dry_run: bool = False) -> int:
         """Delete fencing counters of locks (and read-write locks) not held (tokens still grow: they restart from the clock)."""
         with self._reaching():
-            return self._clear_unused_counters(dry_run)
-
-    def _clear_unused_counters(self, dry_run: bool) -> int:
-        client = self.client
-        stale = []
-        # A lock's counter, and a read-write lock's (its hash's name ends in ":rw").
-        for pattern in ("distlocks:{*}:fence", "distlocks:{*}:rw:fence"):
-            for raw in client.scan_iter(match=pattern, count=500):
-                fence = raw.decode() if isinstance(raw, bytes) else raw
-                if not client.exists(fence[: -len(":fence")]):
-                    stale.append(fence)
-        if stale and not dry_run:
-            client.delete(*stale)
-        return len(stale)
+            return listing.clear_unused_counters(self.client, dry_run)
 
     @property
     def address(self) -> str:
@@ -431,14 +389,17 @@ class RedisBackend(BaseLockBackend):
 
     def _inspect(self, client: Any) -> None:
         """Log a warning, once per process and server, if the server's eviction policy can delete held locks."""
-        server = (self.cache, self.address)
-        if server in inspected:
+        if (self.cache, self.address) in inspected:
             return
         try:
             policy = eviction_policy(client)
         except connection_errors():
             return  # the call that follows says it; look again at the next first use
-        inspected.add(server)
+        self.inspected(policy)
+
+    def inspected(self, policy: str | None) -> None:
+        """Note the server's eviction policy, looked at on its first use by this process, and warn if it evicts."""
+        inspected.add((self.cache, self.address))
         for warning in self._eviction_warnings(policy):
             logger.warning("%s %s", warning.msg, warning.hint)
 

@@ -15,9 +15,15 @@ cheaper).
 
 from __future__ import annotations
 
+from collections.abc import Generator, Sequence
 from typing import Any
 
 from distlocks.backends.redis.rwscripts import SCRIPTS as RW_SCRIPTS
+
+#: A script to run: its name, keys and arguments.
+ScriptCall = tuple[str, Sequence[str], list[Any]]
+#: An attempt with its script calls yielded: run in a thread (``RedisBackend._run``) or on the loop (``redis.aio``).
+Attempt = Generator[ScriptCall, Any, int | None]
 
 # Give the lock to an owner: a new fencing token, one hold, the lease. The
 # token is never below the server's clock in microseconds, so that a counter

@@ -49,9 +49,13 @@ def eviction_policy(client: Any) -> str | None:
     from redis.exceptions import ResponseError
 
     try:
-        reply = client.config_get("maxmemory-policy")
+        return policy_of(client.config_get("maxmemory-policy"))
     except ResponseError:
         return None
+
+
+def policy_of(reply: dict[Any, Any]) -> str | None:
+    """The ``maxmemory-policy`` in a reply to CONFIG GET (from a sync or an asyncio client)."""
     policy = {_text(name): _text(value) for name, value in reply.items()}.get("maxmemory-policy")
     return policy or None
 

@@ -1,0 +1,86 @@
+"""The Redis backend's lock calls as coroutines on the event loop (``redis.asyncio``): ``alock()`` without a thread.
+
+The same Lua scripts and attempts as a thread's (``RedisBackend.attempt``),
+run on the loop's client of the server, which its hand-over reader also uses
+(``aiowait.LoopReleases``): the cache's address, credentials, SSL and
+timeouts, so a frozen server fails a call with BackendUnavailable within the
+cache's SOCKET_TIMEOUT. The leases of async holds are renewed by the process's
+watchdog, from its threads, on the sync client: a loop that stalls past the
+lease keeps its locks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, cast
+
+from distlocks.backends.base import AsyncTurn
+from distlocks.backends.redis.aiowait import LoopReleases, RedisTurn, loop_releases
+from distlocks.backends.redis.keys import lock_hash
+from distlocks.backends.redis.scripts import Attempt, registered
+from distlocks.backends.redis.server import connection_errors, inspected, policy_of
+from distlocks.exceptions import BackendUnavailable
+from distlocks.owner import Owner
+
+if TYPE_CHECKING:
+    from distlocks.backends.redis.backend import RedisBackend
+
+
+class AsyncRedis:
+    """``RedisBackend``'s lock primitives as coroutines (``AsyncPrimitives``), for one backend instance."""
+
+    def __init__(self, backend: RedisBackend) -> None:
+        self.backend = backend
+        self.server = (backend.cache, backend.address)
+
+    def _loop_client(self) -> LoopReleases:
+        return loop_releases(self.server, lambda: self.backend.client)
+
+    async def _call(self, script: str, keys: Sequence[str], args: list[Any]) -> Any:
+        client = self._loop_client().client
+        try:
+            if self.server not in inspected:
+                await self._inspect(client)
+            return await registered(client)[script](keys=keys, args=args)
+        except connection_errors() as exc:
+            raise self.backend._unavailable(exc) from exc
+
+    async def _inspect(self, client: Any) -> None:
+        """The loop's look at the eviction policy, as ``RedisBackend._inspect`` (a connection error propagates)."""
+        from redis.exceptions import ResponseError
+
+        try:
+            policy = policy_of(await client.config_get("maxmemory-policy"))
+        except ResponseError:
+            policy = None
+        self.backend.inspected(policy)
+
+    async def _run(self, attempt: Attempt) -> int | None:
+        """Run an attempt's script calls on the loop."""
+        result = None
+        while True:
+            try:
+                call = attempt.send(result)
+            except StopIteration as done:
+                return done.value
+            result = await self._call(*call)
+
+    async def try_acquire(self, key: str, owner: Owner, ttl: float, turn: AsyncTurn) -> int | None:
+        redis_turn = cast(RedisTurn, turn)
+        return redis_turn.attempted(self.backend, await self._run(redis_turn.attempt(self.backend, key, owner, ttl)))
+
+    async def end_wait(self, turn: AsyncTurn, acquired: bool) -> None:
+        redis_turn = cast(RedisTurn, turn)
+        waiter = redis_turn.waiter
+        if turn.end(acquired) is None or waiter is None:
+            return
+        keys = self.backend._rw_keys(redis_turn.key) if redis_turn.mode else self.backend._keys(redis_turn.key)
+        with contextlib.suppress(BackendUnavailable):
+            await self._call("rw_abandon" if redis_turn.mode else "abandon", keys, [waiter.id, waiter.entry])
+
+    async def reenter(self, key: str, owner: Owner, ttl: float) -> bool:
+        return bool(await self._call("reenter", [lock_hash(key)], [owner.secret, self.backend._ms(ttl)]))
+
+    async def release(self, key: str, owner: Owner) -> bool:
+        return int(await self._call("release", self.backend._keys(key), [owner.secret])) >= 0
