@@ -15,7 +15,8 @@ from distlocks.aio import AsyncDistributedLock, AsyncLockAPI, TaskView, attempt_
 from distlocks.backends.base import check_wait, deadline_after, time_left
 from distlocks.exceptions import LockNotAcquired
 from distlocks.handler import DEFAULT_ALIAS
-from distlocks.lock import _DEFAULT, DistributedLock
+from distlocks.lock import DistributedLock
+from distlocks.lockapi import _DEFAULT
 from distlocks.multi import MultiLock
 from distlocks.rwlock import ReadWriteLock
 from distlocks.semaphore import Semaphore

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import time
-from collections.abc import Callable, Generator
-from types import TracebackType
-from typing import Any, NoReturn, ParamSpec, TypeVar
+from collections.abc import Generator
+from typing import Any, NoReturn, TypeVar
 
 from distlocks.backends.base import (
     AsyncTurn,
@@ -20,9 +18,10 @@ from distlocks.backends.base import (
     deadline_after,
     time_left,
 )
-from distlocks.exceptions import LockError, LockLost, LockNotAcquired, LockNotOwned
+from distlocks.exceptions import LockError, LockLost, LockNotOwned
 from distlocks.handler import DEFAULT_ALIAS, locks
 from distlocks.holds import Hold, holds
+from distlocks.lockapi import _DEFAULT, LockAPI
 from distlocks.owner import Owner, current_owner
 from distlocks.signals import lock_acquire_failed, lock_acquired, lock_released
 from distlocks.transactions import after_transactions
@@ -30,20 +29,8 @@ from distlocks.watchdog import watchdog
 
 logger = logging.getLogger(__name__)
 
-P = ParamSpec("P")
 R = TypeVar("R")
 
-
-class _Default:
-    def __repr__(self) -> str:
-        return "<the lock's wait>"
-
-
-_DEFAULT: Any = _Default()
-
-
-L = TypeVar("L", bound="LockAPI")
-E = TypeVar("E", bound=LockError)
 
 #: A call a lock's step makes to the server: the backend, its method's name and the arguments.
 Call = tuple[BaseLockBackend, str, tuple[Any, ...]]
@@ -65,57 +52,6 @@ def run_steps(steps: Steps[R]) -> R:
             result, error = getattr(backend, method)(*args), None
         except BaseException as exc:  # noqa: B036 - thrown into the step, where the call was
             result, error = None, exc
-
-
-class LockAPI:
-    """The context manager and decorator of every kind of lock, built on its ``acquire()`` and ``release()``.
-
-    It also words the kind's errors: "<noun> 'name' on 'alias' <what>".
-    """
-
-    noun = "Lock"
-    name: str
-    alias: str
-    wait: float | None
-
-    def acquire(self, wait: float | None = _DEFAULT) -> bool:
-        raise NotImplementedError("subclasses of LockAPI must provide an acquire() method")
-
-    def release(self) -> None:
-        raise NotImplementedError("subclasses of LockAPI must provide a release() method")
-
-    def _message(self, what: str) -> str:
-        return f"{self.noun} {self.name!r} on {self.alias!r} {what}"
-
-    def _error(self, kind: type[E], what: str) -> E:
-        """A ``kind`` of LockError about this lock, saying ``what``."""
-        return kind(self._message(what), name=self.name, alias=self.alias)
-
-    def _not_acquired(self, wait: float | None) -> LockNotAcquired:
-        return self._error(LockNotAcquired, f"not acquired within {wait}s")
-
-    def __enter__(self: L) -> L:
-        if not self.acquire():
-            raise self._not_acquired(self.wait)
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.release()
-
-    def __call__(self, func: Callable[P, R]) -> Callable[P, R]:
-        """Use the lock as a decorator: hold it while ``func`` runs."""
-
-        @functools.wraps(func)
-        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-            with self:
-                return func(*args, **kwargs)
-
-        return wrapper
 
 
 class DistributedLock(LockAPI):

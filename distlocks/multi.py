@@ -15,7 +15,8 @@ from typing import Any
 from distlocks.backends.base import check_wait, deadline_after, time_left
 from distlocks.exceptions import LockLost, LockNotOwned
 from distlocks.handler import DEFAULT_ALIAS
-from distlocks.lock import _DEFAULT, DistributedLock, E, LockAPI
+from distlocks.lock import DistributedLock
+from distlocks.lockapi import _DEFAULT, E, LockAPI
 from distlocks.owner import acting_as, current_owner
 
 

@@ -27,7 +27,8 @@ from django.utils.crypto import salted_hmac
 from distlocks.backends.base import check_name_and_alias, check_wait, deadline_after, time_left
 from distlocks.exceptions import LockError, LockNotAcquired, LockNotOwned
 from distlocks.handler import DEFAULT_ALIAS
-from distlocks.lock import _DEFAULT, DistributedLock, LockAPI
+from distlocks.lock import DistributedLock
+from distlocks.lockapi import _DEFAULT, LockAPI
 from distlocks.owner import Owner, acting_as, current_owner
 
 logger = logging.getLogger(__name__)
