@@ -10,20 +10,16 @@ nothing behind when the task is cancelled. Ownership belongs to the task.
 from __future__ import annotations
 
 import contextlib
-import time
 
 from distlocks.aio import AsyncDistributedLock, AsyncLockAPI, TaskView, attempt_or_undo, finish, in_pool
-from distlocks.backends.base import check_wait
+from distlocks.backends.base import check_wait, deadline_after, time_left
 from distlocks.exceptions import LockNotAcquired
 from distlocks.handler import DEFAULT_ALIAS
-from distlocks.lock import _DEFAULT, DistributedLock
+from distlocks.lock import DistributedLock
+from distlocks.lockapi import _DEFAULT
 from distlocks.multi import MultiLock
 from distlocks.rwlock import ReadWriteLock
 from distlocks.semaphore import Semaphore
-
-
-def _left(deadline: float | None) -> float | None:
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 class AsyncSemaphore(AsyncLockAPI):
@@ -66,11 +62,11 @@ class AsyncSemaphore(AsyncLockAPI):
         """
         sem = self.sync
         wait = sem.wait if wait is _DEFAULT else check_wait(wait)
-        deadline = None if wait is None else time.monotonic() + wait
+        deadline = deadline_after(wait)
         order = await attempt_or_undo(in_pool(sem._try_first, wait), sem.release)
         if isinstance(order, bool):
             return order
-        if not await self.queue.acquire(wait=_left(deadline)):
+        if not await self.queue.acquire(wait=time_left(deadline)):
             return False
         try:
             attempt = 0
@@ -124,11 +120,11 @@ class AsyncMultiLock(AsyncLockAPI):
         Otherwise (and if the task is cancelled) those taken are released again.
         """
         wait = self.wait if wait is _DEFAULT else check_wait(wait)
-        deadline = None if wait is None else time.monotonic() + wait
+        deadline = deadline_after(wait)
         taken: list[DistributedLock] = []
         try:
             for member in self.members:
-                if not await member.acquire(wait=_left(deadline)):
+                if not await member.acquire(wait=time_left(deadline)):
                     break
                 taken.append(member.lock)
             else:

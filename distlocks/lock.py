@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import time
-from collections.abc import Callable, Generator
-from types import TracebackType
-from typing import Any, NoReturn, ParamSpec, TypeVar
+from collections.abc import Generator
+from typing import Any, NoReturn, TypeVar
 
 from distlocks.backends.base import (
     AsyncTurn,
@@ -17,10 +15,13 @@ from distlocks.backends.base import (
     check_name_and_alias,
     check_positive_number,
     check_wait,
+    deadline_after,
+    time_left,
 )
-from distlocks.exceptions import LockError, LockLost, LockNotAcquired, LockNotOwned
+from distlocks.exceptions import LockError, LockLost, LockNotOwned
 from distlocks.handler import DEFAULT_ALIAS, locks
 from distlocks.holds import Hold, holds
+from distlocks.lockapi import _DEFAULT, LockAPI
 from distlocks.owner import Owner, current_owner
 from distlocks.signals import lock_acquire_failed, lock_acquired, lock_released
 from distlocks.transactions import after_transactions
@@ -28,19 +29,8 @@ from distlocks.watchdog import watchdog
 
 logger = logging.getLogger(__name__)
 
-P = ParamSpec("P")
 R = TypeVar("R")
 
-
-class _Default:
-    def __repr__(self) -> str:
-        return "<the lock's wait>"
-
-
-_DEFAULT: Any = _Default()
-
-
-L = TypeVar("L", bound="LockAPI")
 
 #: A call a lock's step makes to the server: the backend, its method's name and the arguments.
 Call = tuple[BaseLockBackend, str, tuple[Any, ...]]
@@ -62,44 +52,6 @@ def run_steps(steps: Steps[R]) -> R:
             result, error = getattr(backend, method)(*args), None
         except BaseException as exc:  # noqa: B036 - thrown into the step, where the call was
             result, error = None, exc
-
-
-class LockAPI:
-    """The context manager and decorator of every kind of lock, built on its ``acquire()`` and ``release()``."""
-
-    wait: float | None
-
-    def acquire(self, wait: float | None = _DEFAULT) -> bool:
-        raise NotImplementedError("subclasses of LockAPI must provide an acquire() method")
-
-    def release(self) -> None:
-        raise NotImplementedError("subclasses of LockAPI must provide a release() method")
-
-    def _not_acquired(self, wait: float | None) -> LockNotAcquired:
-        raise NotImplementedError("subclasses of LockAPI must provide a _not_acquired() method")
-
-    def __enter__(self: L) -> L:
-        if not self.acquire():
-            raise self._not_acquired(self.wait)
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.release()
-
-    def __call__(self, func: Callable[P, R]) -> Callable[P, R]:
-        """Use the lock as a decorator: hold it while ``func`` runs."""
-
-        @functools.wraps(func)
-        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-            with self:
-                return func(*args, **kwargs)
-
-        return wrapper
 
 
 class DistributedLock(LockAPI):
@@ -155,7 +107,7 @@ class DistributedLock(LockAPI):
         """The calling thread's fencing token; raise LockNotOwned if it does not hold the lock."""
         hold = self._hold()
         if hold is None:
-            raise LockNotOwned(self._message("is not held by this thread"), name=self.name, alias=self.alias)
+            raise self._error(LockNotOwned, "is not held by this thread")
         return hold.token
 
     @property
@@ -213,9 +165,6 @@ class DistributedLock(LockAPI):
         NotImplementedError (a lease shared by one owner's copies does it there).
         """
         return self._backend.record(self.key, value)
-
-    def _message(self, what: str) -> str:
-        return f"Lock {self.name!r} on {self.alias!r} {what}"
 
     def acquire(self, wait: float | None = _DEFAULT) -> bool:
         """Acquire the lock, waiting at most ``wait`` seconds; return True if acquired.
@@ -290,7 +239,7 @@ class DistributedLock(LockAPI):
 
         An async lock tries once (``wait=0``) as its ``turn``, and waits on its loop.
         """
-        deadline = None if wait is None else time.monotonic() + wait
+        deadline = deadline_after(wait)
         attempt = 0
         token = None
         if wait != 0:
@@ -304,8 +253,8 @@ class DistributedLock(LockAPI):
                     token = turn.try_acquire(backend, self.key, owner, self.ttl)
                 if token is not None:
                     return token, started
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
+                remaining = time_left(deadline)
+                if remaining == 0:
                     return None
                 backend.wait(self.key, attempt, remaining)
                 attempt += 1
@@ -315,7 +264,7 @@ class DistributedLock(LockAPI):
     def _reenter(self, hold: Hold) -> Steps[None]:
         """Count one more hold, checking on the server that the lease is still ours."""
         if hold.lost:
-            raise LockLost(self._message("was lost while held"), name=self.name, alias=self.alias)
+            raise self._error(LockLost, "was lost while held")
         started = time.monotonic()
         ttl = max(self.ttl, hold.ttl)  # another lock object's shorter ttl must not cut the outer lease
         try:
@@ -359,7 +308,7 @@ class DistributedLock(LockAPI):
         mine = holds()
         hold = mine.get((self.alias, self.key))
         if hold is None:
-            raise LockNotOwned(self._message("is not held by this thread"), name=self.name, alias=self.alias)
+            raise self._error(LockNotOwned, "is not held by this thread")
         backend = hold.backend_here()
         hold.count -= 1
         if hold.count > 0:
@@ -370,7 +319,7 @@ class DistributedLock(LockAPI):
         if hold.lost:
             with contextlib.suppress(Exception):  # our own leftovers (an expired row, a node), if any
                 yield backend, "drop" if backend.session_bound else "release", (self.key, hold.owner)
-            raise LockLost(self._message("was lost while held"), name=self.name, alias=self.alias)
+            raise self._error(LockLost, "was lost while held")
         # An error here leaves the lease unrenewed: it runs out (a session-bound
         # backend deletes its node as soon as it can).
         released = yield backend, "release", (self.key, hold.owner)
@@ -388,7 +337,7 @@ class DistributedLock(LockAPI):
     def _release_inner(self, hold: Hold, backend: BaseLockBackend) -> Steps[None]:
         """Release a hold that is not the last: the outer one goes on, renewed."""
         if hold.lost:
-            raise LockLost(self._message("was lost while held"), name=self.name, alias=self.alias)
+            raise self._error(LockLost, "was lost while held")
         try:
             still_held = yield backend, "release", (self.key, hold.owner)
         except Exception:
@@ -400,7 +349,7 @@ class DistributedLock(LockAPI):
     def _lost(self, hold: Hold, why: str) -> NoReturn:
         """The holding thread found its hold lost: tell ``lock_lost`` (unless told already) and raise LockLost."""
         watchdog().lose(hold, why, watched_only=False)
-        raise LockLost(self._message("was lost while held"), name=self.name, alias=self.alias)
+        raise self._error(LockLost, "was lost while held")
 
     def detach(self, lease: float) -> int:
         """Stop holding the lock in this thread without releasing it; return its token.
@@ -411,10 +360,10 @@ class DistributedLock(LockAPI):
         """
         hold = holds().pop((self.alias, self.key), None)
         if hold is None:
-            raise LockNotOwned(self._message("is not held by this thread"), name=self.name, alias=self.alias)
+            raise self._error(LockNotOwned, "is not held by this thread")
         watchdog().unwatch(hold)
         if hold.lost or not self._backend.extend(self.key, hold.owner, lease):
-            raise LockLost(self._message("was lost while held"), name=self.name, alias=self.alias)
+            raise self._error(LockLost, "was lost while held")
         return hold.token
 
     def resume(self, token: int) -> bool:
@@ -440,9 +389,6 @@ class DistributedLock(LockAPI):
         if self.renew:
             watchdog().watch(hold)
         return True
-
-    def _not_acquired(self, wait: float | None) -> LockNotAcquired:
-        return LockNotAcquired(self._message(f"not acquired within {wait}s"), name=self.name, alias=self.alias)
 
 
 def lock(

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import time
 from typing import Any
 
-from distlocks.backends.base import check_wait
-from distlocks.exceptions import LockLost, LockNotAcquired, LockNotOwned
+from distlocks.backends.base import check_wait, deadline_after, time_left
+from distlocks.exceptions import LockLost, LockNotOwned
 from distlocks.handler import DEFAULT_ALIAS
-from distlocks.lock import _DEFAULT, DistributedLock, LockAPI
+from distlocks.lock import DistributedLock
+from distlocks.lockapi import _DEFAULT, E, LockAPI
 from distlocks.owner import acting_as, current_owner
 
 
@@ -59,8 +59,8 @@ class MultiLock(LockAPI):
     def _message(self, what: str) -> str:
         return f"Locks {list(self.names)!r} on {self.alias!r} {what}"
 
-    def _not_acquired(self, wait: float | None) -> LockNotAcquired:
-        return LockNotAcquired(self._message(f"not acquired within {wait}s"), name=self.names[0], alias=self.alias)
+    def _error(self, kind: type[E], what: str) -> E:
+        return kind(self._message(what), name=self.names[0], alias=self.alias)
 
     @property
     def tokens(self) -> dict[str, int]:
@@ -85,7 +85,7 @@ class MultiLock(LockAPI):
 
     def _check_held(self) -> None:
         if not self.hold_count:
-            raise LockNotOwned(self._message("are not held by this thread"), name=self.names[0], alias=self.alias)
+            raise self._error(LockNotOwned, "are not held by this thread")
 
     def acquire(self, wait: float | None = _DEFAULT) -> bool:
         """Take every member, in sorted order, within ``wait`` seconds in all; return True if all were taken.
@@ -95,7 +95,7 @@ class MultiLock(LockAPI):
         (LockLost, BackendUnavailable), after releasing the members taken.
         """
         wait = self.wait if wait is _DEFAULT else check_wait(wait)
-        deadline = None if wait is None else time.monotonic() + wait
+        deadline = deadline_after(wait)
         taken: list[DistributedLock] = []
         owner = current_owner()
         if not owner.task:  # shown by the admin and the commands: these locks are taken together
@@ -115,8 +115,7 @@ class MultiLock(LockAPI):
     def _take_all(self, taken: list[DistributedLock], deadline: float | None) -> None:
         """Take the members in order until one is not taken in time, appending each to ``taken``."""
         for lk in self.locks:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not lk.acquire(wait=remaining):
+            if not lk.acquire(wait=time_left(deadline)):
                 return
             taken.append(lk)
 
@@ -140,7 +139,7 @@ class MultiLock(LockAPI):
             except Exception as exc:  # the other members must still be released
                 error = error or exc
         if lost is not None:
-            raise LockLost(self._message(f"were lost while held: {lost}"), name=self.names[0], alias=self.alias)
+            raise self._error(LockLost, f"were lost while held: {lost}")
         if error is not None:
             raise error
 

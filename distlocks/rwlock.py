@@ -138,6 +138,7 @@ def side(backend: BaseLockBackend, mode: str) -> BaseLockBackend:
 class ReadLock(DistributedLock):
     """The read side of a read-write lock: shared with every other reader."""
 
+    noun = "Read lock"
     mode = READ
     read_key = ""  # the key of the read side's holds (set by ReadWriteLock)
 
@@ -145,17 +146,12 @@ class ReadLock(DistributedLock):
     def primitives(cls, backend: BaseLockBackend) -> BaseLockBackend:
         return side(backend, cls.mode)
 
-    def _message(self, what: str) -> str:
-        return f"Read lock {self.name!r} on {self.alias!r} {what}"
-
 
 class WriteLock(ReadLock):
     """The write side of a read-write lock: no reader and no other writer while it is held."""
 
+    noun = "Write lock"
     mode = WRITE
-
-    def _message(self, what: str) -> str:
-        return f"Write lock {self.name!r} on {self.alias!r} {what}"
 
     def _acquire(
         self, wait: float | None, called: float, tell_not_acquired: bool = True, turn: AsyncTurn | None = None

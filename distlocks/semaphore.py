@@ -24,10 +24,11 @@ import time
 
 from django.utils.crypto import salted_hmac
 
-from distlocks.backends.base import check_name_and_alias, check_wait
+from distlocks.backends.base import check_name_and_alias, check_wait, deadline_after, time_left
 from distlocks.exceptions import LockError, LockNotAcquired, LockNotOwned
 from distlocks.handler import DEFAULT_ALIAS
-from distlocks.lock import _DEFAULT, DistributedLock, LockAPI
+from distlocks.lock import DistributedLock
+from distlocks.lockapi import _DEFAULT, LockAPI
 from distlocks.owner import Owner, acting_as, current_owner
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,8 @@ class Semaphore(LockAPI):
     holds one counts one more hold of that permit (as the lock is reentrant).
     """
 
+    noun = "Semaphore"
+
     def __init__(
         self,
         name: str,
@@ -86,27 +89,28 @@ class Semaphore(LockAPI):
     def __repr__(self) -> str:
         return f"<Semaphore {self.name!r} permits={self.permits} using={self.alias!r} wait={self.wait}>"
 
-    def _message(self, what: str) -> str:
-        return f"Semaphore {self.name!r} on {self.alias!r} {what}"
-
     def _not_acquired(self, wait: float | None) -> LockNotAcquired:
-        return LockNotAcquired(self._message(f"gave no permit within {wait}s"), name=self.name, alias=self.alias)
+        return self._error(LockNotAcquired, f"gave no permit within {wait}s")
 
     def _permit(self) -> DistributedLock | None:
         return next((slot for slot in self.slots if slot.hold_count), None)
 
+    def _own_permit(self) -> DistributedLock:
+        """The calling thread's permit; raise LockNotOwned if it holds none."""
+        permit = self._permit()
+        if permit is None:
+            raise self._error(LockNotOwned, "gave no permit to this thread")
+        return permit
+
     @property
     def slot(self) -> int:
         """Which permit the calling thread holds (0 to permits - 1); raise LockNotOwned if none."""
-        permit = self._permit()
-        if permit is None:
-            raise LockNotOwned(self._message("gave no permit to this thread"), name=self.name, alias=self.alias)
-        return self.slots.index(permit)
+        return self.slots.index(self._own_permit())
 
     @property
     def token(self) -> int:
         """The fencing token of the calling thread's permit; raise LockNotOwned if it holds none."""
-        return self.slots[self.slot].token
+        return self._own_permit().token
 
     @property
     def hold_count(self) -> int:
@@ -133,12 +137,12 @@ class Semaphore(LockAPI):
         the server cannot be reached.
         """
         wait = self.wait if wait is _DEFAULT else check_wait(wait)
-        deadline = None if wait is None else time.monotonic() + wait
+        deadline = deadline_after(wait)
         order = self._try_first(wait)
         if isinstance(order, bool):
             return order
         with acting_as(self._owner()):
-            if not self.queue.acquire(wait=self._left(deadline)):
+            if not self.queue.acquire(wait=time_left(deadline)):
                 return False
             try:
                 attempt = 0
@@ -177,7 +181,7 @@ class Semaphore(LockAPI):
         """
         if self._try_each(order):
             return True
-        left = self._left(deadline)
+        left = time_left(deadline)
         if left == 0:
             return False
         spell = 0.05 * 2 ** min(attempt, 3)
@@ -190,10 +194,6 @@ class Semaphore(LockAPI):
             self.queue.release()
         except LockError as exc:
             logger.warning("%s", self._message(f"could not release its queue lock: {exc}"))
-
-    @staticmethod
-    def _left(deadline: float | None) -> float | None:
-        return None if deadline is None else max(0.0, deadline - time.monotonic())
 
     @staticmethod
     def _try_each(order: list[DistributedLock]) -> bool:
@@ -253,10 +253,7 @@ class Semaphore(LockAPI):
         Raise LockNotOwned if it holds none, LockLost if its permit was lost
         (expired, force-released) while held.
         """
-        permit = self._permit()
-        if permit is None:
-            raise LockNotOwned(self._message("gave no permit to this thread"), name=self.name, alias=self.alias)
-        permit.release()
+        self._own_permit().release()
 
 
 def semaphore(

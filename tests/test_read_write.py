@@ -193,6 +193,16 @@ def test_a_waiting_writer_blocks_new_readers_until_it_gives_up(alias, leave_noth
     rw.read().release()
 
 
+@pytest.mark.parametrize("alias", ["default"], indirect=True)
+def test_a_table_reader_may_wait_longer_than_a_thousand_polls(alias, leave_nothing, name):
+    # The table backend polls every 10-20 ms: 25 s is well past the 1024th poll, where
+    # a backoff of 1 ms * 2**attempt (before its exponent was capped) is too large for a float.
+    writer = side(alias, name, "write")
+    assert writer.acquire(wait=0)
+    assert in_thread(lambda: side(alias, name, "read").acquire(wait=25)) is False
+    writer.release()
+
+
 @pytest.mark.parametrize("alias", RW_ALIASES, indirect=True)
 def test_a_force_released_reader_finds_its_hold_lost(alias, leave_nothing, name):
     rw = distlocks.read_write_lock(name, using=alias, ttl=1.5, wait=0)

@@ -104,6 +104,16 @@ def check_wait(wait: Any) -> float | None:
     return None if math.isinf(wait) else float(wait)
 
 
+def deadline_after(wait: float | None) -> float | None:
+    """The moment (monotonic) a wait of ``wait`` seconds ends; None if it never does."""
+    return None if wait is None else time.monotonic() + wait
+
+
+def time_left(deadline: float | None) -> float | None:
+    """Seconds left until ``deadline`` (monotonic), 0 once it has passed; None if it never comes."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
 def backoff(attempt: int, remaining: float | None) -> float:
     """Seconds to sleep before the next attempt: capped exponential backoff with jitter, at most ``remaining``."""
     delay = min(0.002 * 2 ** min(attempt, 5), 0.05) * random.uniform(0.5, 1.0)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from distlocks.backends.base import BaseLockBackend, LockInfo, holds_in_doubt
+from distlocks.backends.base import BaseLockBackend, LockInfo, deadline_after, holds_in_doubt
 from distlocks.owner import Owner
 
 
@@ -189,7 +189,7 @@ class LocMemBackend(BaseLockBackend):
         """Sleep until a release frees ``key`` or its lease runs out, at most ``remaining`` seconds."""
         store = self._store
         with store.locked:
-            deadline = None if remaining is None else time.monotonic() + remaining
+            deadline = deadline_after(remaining)
             store.waiters[key] = store.waiters.get(key, 0) + 1
             try:
                 while True:

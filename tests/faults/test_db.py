@@ -309,7 +309,7 @@ def _two_queued_waiters(alias, name, workers):
 
 @pytest.mark.parametrize("alias", DB_ALIASES, indirect=True)
 def test_a_killed_waiter_does_not_hold_up_the_queue(alias, name, workers):
-    from distlocks.backends.db.backend import WAITER_LEASE
+    from distlocks.backends.db.queue import WAITER_LEASE
 
     holder, first, second = _two_queued_waiters(alias, name, workers)
     first.kill()  # SIGKILL: its place stays in the table, ahead of the second waiter's

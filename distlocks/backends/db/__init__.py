@@ -12,7 +12,7 @@ re-checks the expiry and only then can a new row be inserted, which gives the
 new holder a larger fencing token (the auto-increment key); a force-release
 given a token deletes the row only if it is still that acquisition, in the same
 statement. Waiters are served roughly in turn: each takes a place in the
-lock's queue (a ``LockWaiter`` row, a lease of ``WAITER_LEASE`` seconds renewed
+lock's queue (a ``LockWaiter`` row, a lease of ``queue.WAITER_LEASE`` seconds renewed
 while it waits), and the INSERT that takes a lock inserts only if no live waiter
 queued earlier, so a crashed waiter holds up the queue for at most that lease.
 Lock statements run on a connection of their own in autocommit mode:

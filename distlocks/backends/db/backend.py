@@ -1,159 +1,40 @@
-"""The database lock backend: a row per held lock in the ``Lock`` table."""
+"""The database lock backend: a row per held lock in the ``Lock`` table.
+
+The lock statements, the read-write table's and the listing live here; the
+connection they run on is ``connections.py``'s, the waiter queue ``queue.py``'s.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
-import random
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from django.core import checks
-from django.db import DatabaseError, IntegrityError, OperationalError, connections
+from django.db import IntegrityError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import QuerySet
 from django.db.models.expressions import RawSQL
-from django.db.utils import InterfaceError
 
-from distlocks.backends.base import AsyncTurn, BaseLockBackend, LockInfo
+from distlocks.backends.base import LockInfo, deadline_after
 from distlocks.backends.db import rw
-from distlocks.backends.db.connections import (
-    close_if_dropped,
-    connection_options,
-    database_of,
-    execute,
-    in_memory,
-    is_busy,
-    missing_database,
-    open_like,
-    track,
-    tracked,
-)
-from distlocks.backends.db.notify import can_listen, channel, notified, own_session
+from distlocks.backends.db.connections import execute, in_memory, missing_database
+from distlocks.backends.db.notify import channel
+from distlocks.backends.db.queue import POLL_FIRST, POLL_MAX, QueuedBackend, sleep
 from distlocks.backends.db.statements import sql_for
-from distlocks.exceptions import BackendUnavailable
 from distlocks.owner import Owner
 
 if TYPE_CHECKING:
     from distlocks.models import Lock, ReadWriteHold
 
-T = TypeVar("T")
-
-_MYSQL_TIMED_OUT = {1205}
-_POSTGRES_TIMED_OUT = {"55P03", "57014"}
-# Waiters poll from 1 ms, doubling up to 4 ms between reads, 4 ms more for each
-# waiter ahead, and 20 ms at most. The first in the queue, which takes the lock
-# next, polls every 1 ms for its first 50 ms there, then backs off likewise.
-_POLL_FIRST = 0.001
-_HEAD_POLL_MAX = 0.004
-_HEAD_FAST = 0.05
-_POLL_MAX = 0.02
-# On PostgreSQL a release wakes the waiters (NOTIFY); they still look every 50 ms
-# for what sends no notification: a lease that ran out, a waiter ahead leaving.
-_LISTEN_POLL = 0.05
-#: Seconds a waiter's place in the queue lasts unless renewed: how long a
-#: waiter that crashed holds up the ones behind it, at most.
-WAITER_LEASE = 2.0
 # The place of an attempt not queued: behind every waiter.
 _NOT_QUEUED = 2**63 - 1
-# How often a busy write statement is retried before the attempt counts as failed.
-_BUSY_RETRIES = 5
-# OPTIONS['TIMEOUT'] by default: seconds a lock statement may wait or run.
 
 
-class _Raise:
-    pass
-
-
-@dataclass
-class _Place:
-    """This thread's place in a lock's queue: the waiter row's id, and when its lease was last renewed (monotonic)."""
-
-    id: int
-    renewed: float
-
-
-RAISE = _Raise()
-
-
-@dataclass
-class _Attempt:
-    """What an async waiter's attempt gives: the token (None: not acquired), and its place if still queued."""
-
-    token: int | None
-    place: _Place | None
-
-
-class _TableTurn(AsyncTurn):
-    """A task's wait for a lock in the table: a place in the lock's queue, as a waiting thread takes.
-
-    Its attempts run in whichever pool thread is free, so the place travels
-    with the turn; the wait between attempts is the core's backoff on the loop.
-    """
-
-    def __init__(self, key: str) -> None:
-        self.key = key
-        self.place: _Place | None = None
-        self.tried = False
-
-    def try_acquire(self, backend: BaseLockBackend, key: str, owner: Owner, ttl: float) -> int | None:
-        assert isinstance(backend, DatabaseBackend)
-        if not self.tried:  # the first attempt, as a thread's, is not queued: most find the lock free
-            self.tried = True
-            return backend.try_acquire(key, owner, ttl)
-        attempt = backend.try_acquire_in_turn(key, owner, ttl, self.place)
-        self.place = attempt.place
-        return attempt.token
-
-    def end(self, acquired: bool) -> Callable[[BaseLockBackend], None] | None:
-        place, key, self.place = self.place, self.key, None
-        if place is None:
-            return None
-
-        def leave(backend: BaseLockBackend) -> None:
-            assert isinstance(backend, DatabaseBackend)
-            backend.leave_queue(key, place)
-
-        return leave
-
-
-def _sleep(delay: float, deadline: float | None) -> bool:
-    """Sleep for ``delay`` seconds with jitter (so that waiters do not poll in lockstep), not past ``deadline``.
-
-    Return False, without sleeping, if the deadline (monotonic) has passed.
-    """
-    pause = delay * random.uniform(0.5, 1.0)
-    if deadline is not None:
-        pause = min(pause, deadline - time.monotonic())
-        if pause <= 0:
-            return False
-    time.sleep(pause)
-    return True
-
-
-def _timed_out(exc: Exception | None) -> bool:
-    if exc is None:
-        return False
-    if getattr(exc.__cause__, "sqlstate", None) in _POSTGRES_TIMED_OUT:
-        return True
-    return bool(exc.args and exc.args[0] in _MYSQL_TIMED_OUT)
-
-
-class DatabaseBackend(BaseLockBackend):
+class DatabaseBackend(QueuedBackend):
     """Locks as rows of ``distlocks.Lock`` in the database named by ``OPTIONS['DATABASE']``."""
 
     max_key_length = 255
-
-    def __init__(self, alias: str, params: dict[str, Any]) -> None:
-        super().__init__(alias, params)
-        self.database, self.connect_timeout, self.timeout = connection_options(alias, self.options)
-        self._connection_alias = f"distlocks:{alias}"
-        self._connection: BaseDatabaseWrapper | None = None
-        self._places: dict[str, _Place] = {}  # this thread's (backend instances are per thread)
-        self._listening: dict[str, Any] = {}  # key: the psycopg connection that LISTENs for its releases
 
     def make_key(self, name: str) -> str:
         """Return the key of ``name``; raise ValueError if a database cannot store it.
@@ -164,61 +45,6 @@ class DatabaseBackend(BaseLockBackend):
         if "\x00" in name:
             raise ValueError("name must not contain a NUL character ('\\x00'): the database backend cannot store it")
         return super().make_key(name)
-
-    # -- the connection of our own ---------------------------------------------
-
-    def _using(self) -> str:
-        """Return the alias to run this thread's lock statements on.
-
-        Normally a connection of our own, opened on first use: it copies the
-        database's settings but is not in ``DATABASES``, so Django neither wraps it
-        in ``ATOMIC_REQUESTS`` nor closes it at the end of a request, and the
-        caller's transactions never touch it. SQLite allows one writer at a time,
-        so there a lock taken inside the caller's transaction joins it (a second
-        connection would wait for the caller's own write lock); nobody else can
-        write until it ends, and its rollback drops the lock.
-        """
-        base = database_of(self.alias, self.database)
-        if base.vendor == "sqlite" and (base.in_atomic_block or in_memory(base)):
-            return self.database
-        if not tracked(self._connection):  # first use, or this process is a fork of the one that opened it
-            self._connection = open_like(base, self._connection_alias, self.connect_timeout, self.timeout)
-            track(self._connection)
-            connections[self._connection_alias] = self._connection
-        return self._connection_alias
-
-    def _run(self, operation: Callable[[BaseDatabaseWrapper], T], *, when_busy: T | _Raise = RAISE) -> T:
-        """Run ``operation(connection)``, mapping driver errors to lock semantics.
-
-        A busy database (deadlock) is retried a few times; then, or when a
-        statement ran out of ``TIMEOUT``, the answer is ``when_busy`` (for an
-        attempt to acquire: not acquired) or BackendUnavailable. Any other error
-        closes our connection (the next call opens a new one) and raises
-        BackendUnavailable.
-        """
-        using = self._using()
-        connection = connections[using]
-        if using == self._connection_alias:
-            close_if_dropped(connection)
-        error: Exception | None = None
-        for _ in range(_BUSY_RETRIES):
-            try:
-                return operation(connection)
-            except (OperationalError, InterfaceError) as exc:
-                error = exc
-                if is_busy(exc):
-                    continue
-                if "no such table" in str(exc):
-                    raise
-                if using == self._connection_alias and not _timed_out(exc):
-                    with contextlib.suppress(DatabaseError):
-                        connection.close()
-                break
-        if (is_busy(error) or _timed_out(error)) and not isinstance(when_busy, _Raise):
-            return when_busy
-        raise BackendUnavailable(
-            f"Database {self.database!r} for locks on {self.alias!r} is unavailable: {error}", alias=self.alias
-        ) from error
 
     # -- the lock primitives ---------------------------------------------------
 
@@ -262,168 +88,6 @@ class DatabaseBackend(BaseLockBackend):
             return None
 
         return self._run(attempt, when_busy=None)
-
-    def wait(self, key: str, attempt: int, remaining: float | None) -> None:
-        """Wait in the lock's queue until it looks free and no live waiter is ahead, at most ``remaining`` seconds.
-
-        The first call queues this thread (a row with a growing id); then it
-        polls with a plain SELECT, which takes no row or gap locks (MVCC on
-        InnoDB and PostgreSQL, WAL readers on SQLite), so waiters never get in
-        the holder's way. The first in the queue polls most often, as it is the
-        one to take the lock next; the place is renewed every third of its lease.
-        On PostgreSQL it waits for the release's notification between looks
-        instead (see ``notify``).
-        """
-        if self._using() != self._connection_alias:
-            self._poll(key, remaining)  # SQLite inside the caller's transaction: nobody else can write anyway
-            return
-        deadline = None if remaining is None else time.monotonic() + remaining
-        place = self._places.get(key) or self._enqueue(key)
-        delay = _POLL_FIRST
-        head_since: float | None = None
-        while True:
-            if time.monotonic() - place.renewed > WAITER_LEASE / 3:
-                place = self._stay_queued(key, place)
-            listening = self._listen(key)  # before the look, so that no release after it goes unheard
-
-            look = functools.partial(self._look, key, place.id)
-            try:
-                live, ahead = self._run(look)
-            except BackendUnavailable:
-                # A session the server ended during the look (KILL, a restart): the look only reads,
-                # so it is asked again once, on the new connection _run opens; a second failure is the answer.
-                live, ahead = self._run(look)
-            if not live and not ahead:
-                return
-            if listening is not None:
-                pause = _LISTEN_POLL if deadline is None else min(_LISTEN_POLL, deadline - time.monotonic())
-                if pause <= 0:
-                    return
-                if notified(listening, pause) and not ahead:
-                    return  # released: the first in the queue tries at once
-                continue
-            if ahead:
-                head_since = None
-                delay = min(delay * 2, _HEAD_POLL_MAX * (ahead + 1), _POLL_MAX)
-            else:
-                head_since = head_since or time.monotonic()
-                delay = min(delay * 2, _POLL_MAX) if time.monotonic() - head_since > _HEAD_FAST else _POLL_FIRST
-            if not _sleep(delay, deadline):
-                return
-
-    @staticmethod
-    def _look(key: str, place: int, connection: BaseDatabaseWrapper) -> tuple[int, int]:
-        """Whether the lock is live (0 or 1), and how many live waiters are ahead of ``place``."""
-        with connection.cursor() as cursor:
-            cursor.execute(sql_for(connection).look, [key, key, place])
-            live, ahead = cursor.fetchone()
-            return int(live), int(ahead)
-
-    def _listen(self, key: str) -> Any | None:
-        """On PostgreSQL, LISTEN for the releases of ``key`` on our connection (again if it was replaced).
-
-        Return the psycopg connection that listens, or None to poll: where
-        waiters only poll, or this time, if the connection failed (the look
-        that follows opens another, or tells that the server is unavailable).
-        """
-        connection = connections[self._connection_alias]
-        if not can_listen(connection):
-            return None
-        if self._listening.get(key) is connection.connection:
-            return connection.connection
-        base = connections[self.database]
-        probe = functools.partial(
-            open_like, base, f"{self._connection_alias}:probe", self.connect_timeout, self.timeout
-        )
-        try:
-            if not self._run(lambda connection: own_session(connection, self.database, probe)):
-                return None
-            self._run(lambda connection: execute(connection, f'LISTEN "{channel(key)}"', []))
-        except BackendUnavailable:
-            return None
-        listening = self._listening[key] = connections[self._connection_alias].connection
-        return listening
-
-    def _enqueue(self, key: str) -> _Place:
-        def enqueue(connection: BaseDatabaseWrapper) -> int:
-            sql = sql_for(connection)
-            with connection.cursor() as cursor:
-                cursor.execute(sql.enqueue, [key, sql.lease(WAITER_LEASE)])
-                return int(cursor.fetchone()[0] if sql.returning else cursor.lastrowid)
-
-        place = self._places[key] = _Place(self._run(enqueue), time.monotonic())
-        return place
-
-    def _stay_queued(self, key: str, place: _Place) -> _Place:
-        """Renew the lease of ``place``; queue again at the end if it ran out (a stopped waiter) or a cleanup deleted it."""
-
-        def renew(connection: BaseDatabaseWrapper) -> bool:
-            sql = sql_for(connection)
-            return execute(connection, sql.stay_queued, [sql.lease(WAITER_LEASE), place.id]) == 1
-
-        renewed = time.monotonic()
-        if not self._run(renew):
-            return self._enqueue(key)
-        place.renewed = renewed
-        return place
-
-    def end_wait(self, key: str, acquired: bool) -> None:
-        """Leave the queue; if the server cannot be told, the place's lease runs out by itself."""
-        place = self._places.pop(key, None)
-        listening = self._listening.pop(key, None)
-
-        def leave(connection: BaseDatabaseWrapper) -> None:
-            if place is not None:
-                execute(connection, sql_for(connection).dequeue, [place.id])
-            if listening is not None and listening is connection.connection:
-                execute(connection, f'UNLISTEN "{channel(key)}"', [])
-
-        if place is not None or listening is not None:
-            with contextlib.suppress(BackendUnavailable):
-                self._run(leave)
-
-    def async_turn(self, key: str) -> AsyncTurn:
-        return _TableTurn(key)
-
-    def try_acquire_in_turn(self, key: str, owner: Owner, ttl: float, place: _Place | None) -> _Attempt:
-        """An attempt of an async waiter whose ``place`` (None: not queued yet) travels with it between pool threads.
-
-        It queues as a waiting thread does at its first wait, so that threads
-        queued later do not pass it (nor it them); its place is renewed as theirs are.
-        """
-        if place is None:
-            place = self._enqueue(key)
-        else:
-            self._places[key] = place
-            if time.monotonic() - place.renewed > WAITER_LEASE / 3:
-                place = self._stay_queued(key, place)
-        try:
-            token = self.try_acquire(key, owner, ttl)
-        finally:
-            place = self._places.pop(key, None)  # None: the attempt left the queue
-        return _Attempt(token, place)
-
-    def leave_queue(self, key: str, place: _Place) -> None:
-        """Delete ``place`` from the lock's queue (an async waiter's, at its end)."""
-        self._places[key] = place
-        self.end_wait(key, False)
-
-    def _poll(self, key: str, remaining: float | None) -> None:
-        """Poll with a plain SELECT until the lock looks free, for at most ``remaining`` seconds."""
-        deadline = None if remaining is None else time.monotonic() + remaining
-        delay = _POLL_FIRST
-        while True:
-            if not _sleep(delay, deadline):
-                return
-
-            def is_live(connection: BaseDatabaseWrapper) -> bool:
-                with connection.cursor() as cursor:
-                    cursor.execute(sql_for(connection).is_live, [key])
-                    return cursor.fetchone() is not None
-
-            if not self._run(is_live):
-                return
-            delay = min(delay * 2, _POLL_MAX)
 
     def reenter(self, key: str, owner: Owner, ttl: float) -> bool:
         def attempt(connection: BaseDatabaseWrapper) -> bool:
@@ -498,8 +162,7 @@ class DatabaseBackend(BaseLockBackend):
         self._run(lambda connection: execute(connection, sql_for(connection).rw.drop, [key, "waiting", secret]))
 
     def rw_wait(self, key: str, mode: str, attempt: int, remaining: float | None) -> None:
-        delay = min(_POLL_FIRST * 2**attempt, _POLL_MAX) * random.uniform(0.5, 1.0)
-        time.sleep(delay if remaining is None else min(delay, remaining))
+        sleep(min(POLL_FIRST * 2 ** min(attempt, 5), POLL_MAX), deadline_after(remaining))  # 2**1024 is no float
 
     def rw_force_release(self, key: str, token: int | None = None) -> bool:
         def attempt(connection: BaseDatabaseWrapper) -> bool:

@@ -1,4 +1,9 @@
-"""The database lock backend's connections of its own: opening, tracking, forks, dropped sessions, timeouts."""
+"""The database lock backend's connections of its own: opening, tracking, forks, dropped sessions, timeouts.
+
+``OwnConnectionBackend`` is the table backend's base class: which connection
+its statements run on, and what a driver's error means for a lock. The
+waiter queue (``queue.py``) and the lock primitives (``backend.py``) build on it.
+"""
 
 from __future__ import annotations
 
@@ -10,16 +15,21 @@ import os
 import select
 import socket
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
-from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, OperationalError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.signals import connection_created
+from django.db.utils import InterfaceError
 from django.utils.connection import ConnectionDoesNotExist
 
-from distlocks.backends.base import check_positive_number
+from distlocks.backends.base import BaseLockBackend, check_positive_number
+from distlocks.exceptions import BackendUnavailable
+
+T = TypeVar("T")
 
 #: How long a lock statement may run by default (``OPTIONS['TIMEOUT']``), in seconds.
 DEFAULT_TIMEOUT = 5.0
@@ -43,6 +53,10 @@ _SQLITE_BUSY = ("database is locked", "database table is locked")
 # Errors that mean a statement waited ``TIMEOUT`` seconds for a lock or ran that
 # long (MySQL lock wait timeout 1205, PostgreSQL lock_timeout 55P03 and
 # statement_timeout 57014): not retried, the time is up.
+_MYSQL_TIMED_OUT = {1205}
+_POSTGRES_TIMED_OUT = {"55P03", "57014"}
+# How often a busy write statement is retried before the attempt counts as failed.
+_BUSY_RETRIES = 5
 
 
 def is_busy(exc: Exception | None) -> bool:
@@ -54,6 +68,14 @@ def is_busy(exc: Exception | None) -> bool:
     if exc.args and exc.args[0] in _MYSQL_BUSY:
         return True
     return any(text in str(exc) for text in _SQLITE_BUSY)
+
+
+def _timed_out(exc: Exception | None) -> bool:
+    if exc is None:
+        return False
+    if getattr(exc.__cause__, "sqlstate", None) in _POSTGRES_TIMED_OUT:
+        return True
+    return bool(exc.args and exc.args[0] in _MYSQL_TIMED_OUT)
 
 
 def database_of(alias: str, database: str) -> BaseDatabaseWrapper:
@@ -217,3 +239,73 @@ def execute(connection: BaseDatabaseWrapper, sql: str, params: list[Any]) -> int
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
         return int(cursor.rowcount)
+
+
+class _Raise:
+    pass
+
+
+RAISE = _Raise()
+
+
+class OwnConnectionBackend(BaseLockBackend):
+    """A backend whose lock statements run on a connection of its own (``_using``), through ``_run``."""
+
+    def __init__(self, alias: str, params: dict[str, Any]) -> None:
+        super().__init__(alias, params)
+        self.database, self.connect_timeout, self.timeout = connection_options(alias, self.options)
+        self._connection_alias = f"distlocks:{alias}"
+        self._connection: BaseDatabaseWrapper | None = None
+
+    def _using(self) -> str:
+        """Return the alias to run this thread's lock statements on.
+
+        Normally a connection of our own, opened on first use: it copies the
+        database's settings but is not in ``DATABASES``, so Django neither wraps it
+        in ``ATOMIC_REQUESTS`` nor closes it at the end of a request, and the
+        caller's transactions never touch it. SQLite allows one writer at a time,
+        so there a lock taken inside the caller's transaction joins it (a second
+        connection would wait for the caller's own write lock); nobody else can
+        write until it ends, and its rollback drops the lock.
+        """
+        base = database_of(self.alias, self.database)
+        if base.vendor == "sqlite" and (base.in_atomic_block or in_memory(base)):
+            return self.database
+        if not tracked(self._connection):  # first use, or this process is a fork of the one that opened it
+            self._connection = open_like(base, self._connection_alias, self.connect_timeout, self.timeout)
+            track(self._connection)
+            connections[self._connection_alias] = self._connection
+        return self._connection_alias
+
+    def _run(self, operation: Callable[[BaseDatabaseWrapper], T], *, when_busy: T | _Raise = RAISE) -> T:
+        """Run ``operation(connection)``, mapping driver errors to lock semantics.
+
+        A busy database (deadlock) is retried a few times; then, or when a
+        statement ran out of ``TIMEOUT``, the answer is ``when_busy`` (for an
+        attempt to acquire: not acquired) or BackendUnavailable. Any other error
+        closes our connection (the next call opens a new one) and raises
+        BackendUnavailable.
+        """
+        using = self._using()
+        connection = connections[using]
+        if using == self._connection_alias:
+            close_if_dropped(connection)
+        error: Exception | None = None
+        for _ in range(_BUSY_RETRIES):
+            try:
+                return operation(connection)
+            except (OperationalError, InterfaceError) as exc:
+                error = exc
+                if is_busy(exc):
+                    continue
+                if "no such table" in str(exc):
+                    raise
+                if using == self._connection_alias and not _timed_out(exc):
+                    with contextlib.suppress(DatabaseError):
+                        connection.close()
+                break
+        if (is_busy(error) or _timed_out(error)) and not isinstance(when_busy, _Raise):
+            return when_busy
+        raise BackendUnavailable(
+            f"Database {self.database!r} for locks on {self.alias!r} is unavailable: {error}", alias=self.alias
+        ) from error

@@ -1,0 +1,276 @@
+"""The table backend's waiter queue: a place per waiter, polled or woken, so that waiters are served in turn.
+
+Waiting is a thing of its own beside the lock statements: a ``LockWaiter``
+row per waiting thread (or task), leased and renewed while it waits, plain
+SELECTs that look at the lock and the waiters ahead, and on PostgreSQL a
+LISTEN for the releases. ``DatabaseBackend`` builds its primitives on this
+class; its INSERT of a lock only checks the place a waiter was given here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from django.db import connections
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+from distlocks.backends.base import AsyncTurn, BaseLockBackend, deadline_after
+from distlocks.backends.db.connections import OwnConnectionBackend, execute, open_like
+from distlocks.backends.db.notify import can_listen, channel, notified, own_session
+from distlocks.backends.db.statements import sql_for
+from distlocks.exceptions import BackendUnavailable
+from distlocks.owner import Owner
+
+# Waiters poll from 1 ms, doubling up to 4 ms between reads, 4 ms more for each
+# waiter ahead, and 20 ms at most. The first in the queue, which takes the lock
+# next, polls every 1 ms for its first 50 ms there, then backs off likewise.
+POLL_FIRST = 0.001
+_HEAD_POLL_MAX = 0.004
+_HEAD_FAST = 0.05
+POLL_MAX = 0.02
+# On PostgreSQL a release wakes the waiters (NOTIFY); they still look every 50 ms
+# for what sends no notification: a lease that ran out, a waiter ahead leaving.
+_LISTEN_POLL = 0.05
+#: Seconds a waiter's place in the queue lasts unless renewed: how long a
+#: waiter that crashed holds up the ones behind it, at most.
+WAITER_LEASE = 2.0
+
+
+@dataclass
+class Place:
+    """This thread's place in a lock's queue: the waiter row's id, and when its lease was last renewed (monotonic)."""
+
+    id: int
+    renewed: float
+
+
+@dataclass
+class _Attempt:
+    """What an async waiter's attempt gives: the token (None: not acquired), and its place if still queued."""
+
+    token: int | None
+    place: Place | None
+
+
+class _TableTurn(AsyncTurn):
+    """A task's wait for a lock in the table: a place in the lock's queue, as a waiting thread takes.
+
+    Its attempts run in whichever pool thread is free, so the place travels
+    with the turn; the wait between attempts is the core's backoff on the loop.
+    """
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.place: Place | None = None
+        self.tried = False
+
+    def try_acquire(self, backend: BaseLockBackend, key: str, owner: Owner, ttl: float) -> int | None:
+        assert isinstance(backend, QueuedBackend)
+        if not self.tried:  # the first attempt, as a thread's, is not queued: most find the lock free
+            self.tried = True
+            return backend.try_acquire(key, owner, ttl)
+        attempt = backend.try_acquire_in_turn(key, owner, ttl, self.place)
+        self.place = attempt.place
+        return attempt.token
+
+    def end(self, acquired: bool) -> Callable[[BaseLockBackend], None] | None:
+        place, key, self.place = self.place, self.key, None
+        if place is None:
+            return None
+
+        def leave(backend: BaseLockBackend) -> None:
+            assert isinstance(backend, QueuedBackend)
+            backend.leave_queue(key, place)
+
+        return leave
+
+
+def sleep(delay: float, deadline: float | None) -> bool:
+    """Sleep for ``delay`` seconds with jitter (so that waiters do not poll in lockstep), not past ``deadline``.
+
+    Return False, without sleeping, if the deadline (monotonic) has passed.
+    """
+    pause = delay * random.uniform(0.5, 1.0)
+    if deadline is not None:
+        pause = min(pause, deadline - time.monotonic())
+        if pause <= 0:
+            return False
+    time.sleep(pause)
+    return True
+
+
+class QueuedBackend(OwnConnectionBackend):
+    """A backend whose waiters queue in the ``LockWaiter`` table (``try_acquire`` honours ``_places``)."""
+
+    def __init__(self, alias: str, params: dict[str, Any]) -> None:
+        super().__init__(alias, params)
+        self._places: dict[str, Place] = {}  # this thread's (backend instances are per thread)
+        self._listening: dict[str, Any] = {}  # key: the psycopg connection that LISTENs for its releases
+
+    def wait(self, key: str, attempt: int, remaining: float | None) -> None:
+        """Wait in the lock's queue until it looks free and no live waiter is ahead, at most ``remaining`` seconds.
+
+        The first call queues this thread (a row with a growing id); then it
+        polls with a plain SELECT, which takes no row or gap locks (MVCC on
+        InnoDB and PostgreSQL, WAL readers on SQLite), so waiters never get in
+        the holder's way. The first in the queue polls most often, as it is the
+        one to take the lock next; the place is renewed every third of its lease.
+        On PostgreSQL it waits for the release's notification between looks
+        instead (see ``notify``).
+        """
+        if self._using() != self._connection_alias:
+            self._poll(key, remaining)  # SQLite inside the caller's transaction: nobody else can write anyway
+            return
+        deadline = deadline_after(remaining)
+        place = self._places.get(key) or self._enqueue(key)
+        delay = POLL_FIRST
+        head_since: float | None = None
+        while True:
+            if time.monotonic() - place.renewed > WAITER_LEASE / 3:
+                place = self._stay_queued(key, place)
+            listening = self._listen(key)  # before the look, so that no release after it goes unheard
+
+            look = functools.partial(self._look, key, place.id)
+            try:
+                live, ahead = self._run(look)
+            except BackendUnavailable:
+                # A session the server ended during the look (KILL, a restart): the look only reads,
+                # so it is asked again once, on the new connection _run opens; a second failure is the answer.
+                live, ahead = self._run(look)
+            if not live and not ahead:
+                return
+            if listening is not None:
+                pause = _LISTEN_POLL if deadline is None else min(_LISTEN_POLL, deadline - time.monotonic())
+                if pause <= 0:
+                    return
+                if notified(listening, pause) and not ahead:
+                    return  # released: the first in the queue tries at once
+                continue
+            if ahead:
+                head_since = None
+                delay = min(delay * 2, _HEAD_POLL_MAX * (ahead + 1), POLL_MAX)
+            else:
+                head_since = head_since or time.monotonic()
+                delay = min(delay * 2, POLL_MAX) if time.monotonic() - head_since > _HEAD_FAST else POLL_FIRST
+            if not sleep(delay, deadline):
+                return
+
+    @staticmethod
+    def _look(key: str, place: int, connection: BaseDatabaseWrapper) -> tuple[int, int]:
+        """Whether the lock is live (0 or 1), and how many live waiters are ahead of ``place``."""
+        with connection.cursor() as cursor:
+            cursor.execute(sql_for(connection).look, [key, key, place])
+            live, ahead = cursor.fetchone()
+            return int(live), int(ahead)
+
+    def _listen(self, key: str) -> Any | None:
+        """On PostgreSQL, LISTEN for the releases of ``key`` on our connection (again if it was replaced).
+
+        Return the psycopg connection that listens, or None to poll: where
+        waiters only poll, or this time, if the connection failed (the look
+        that follows opens another, or tells that the server is unavailable).
+        """
+        connection = connections[self._connection_alias]
+        if not can_listen(connection):
+            return None
+        if self._listening.get(key) is connection.connection:
+            return connection.connection
+        base = connections[self.database]
+        probe = functools.partial(
+            open_like, base, f"{self._connection_alias}:probe", self.connect_timeout, self.timeout
+        )
+        try:
+            if not self._run(lambda connection: own_session(connection, self.database, probe)):
+                return None
+            self._run(lambda connection: execute(connection, f'LISTEN "{channel(key)}"', []))
+        except BackendUnavailable:
+            return None
+        listening = self._listening[key] = connections[self._connection_alias].connection
+        return listening
+
+    def _enqueue(self, key: str) -> Place:
+        def enqueue(connection: BaseDatabaseWrapper) -> int:
+            sql = sql_for(connection)
+            with connection.cursor() as cursor:
+                cursor.execute(sql.enqueue, [key, sql.lease(WAITER_LEASE)])
+                return int(cursor.fetchone()[0] if sql.returning else cursor.lastrowid)
+
+        place = self._places[key] = Place(self._run(enqueue), time.monotonic())
+        return place
+
+    def _stay_queued(self, key: str, place: Place) -> Place:
+        """Renew the lease of ``place``; queue again at the end if it ran out (a stopped waiter) or a cleanup deleted it."""
+
+        def renew(connection: BaseDatabaseWrapper) -> bool:
+            sql = sql_for(connection)
+            return execute(connection, sql.stay_queued, [sql.lease(WAITER_LEASE), place.id]) == 1
+
+        renewed = time.monotonic()
+        if not self._run(renew):
+            return self._enqueue(key)
+        place.renewed = renewed
+        return place
+
+    def end_wait(self, key: str, acquired: bool) -> None:
+        """Leave the queue; if the server cannot be told, the place's lease runs out by itself."""
+        place = self._places.pop(key, None)
+        listening = self._listening.pop(key, None)
+
+        def leave(connection: BaseDatabaseWrapper) -> None:
+            if place is not None:
+                execute(connection, sql_for(connection).dequeue, [place.id])
+            if listening is not None and listening is connection.connection:
+                execute(connection, f'UNLISTEN "{channel(key)}"', [])
+
+        if place is not None or listening is not None:
+            with contextlib.suppress(BackendUnavailable):
+                self._run(leave)
+
+    def async_turn(self, key: str) -> AsyncTurn:
+        return _TableTurn(key)
+
+    def try_acquire_in_turn(self, key: str, owner: Owner, ttl: float, place: Place | None) -> _Attempt:
+        """An attempt of an async waiter whose ``place`` (None: not queued yet) travels with it between pool threads.
+
+        It queues as a waiting thread does at its first wait, so that threads
+        queued later do not pass it (nor it them); its place is renewed as theirs are.
+        """
+        if place is None:
+            place = self._enqueue(key)
+        else:
+            self._places[key] = place
+            if time.monotonic() - place.renewed > WAITER_LEASE / 3:
+                place = self._stay_queued(key, place)
+        try:
+            token = self.try_acquire(key, owner, ttl)
+        finally:
+            place = self._places.pop(key, None)  # None: the attempt left the queue
+        return _Attempt(token, place)
+
+    def leave_queue(self, key: str, place: Place) -> None:
+        """Delete ``place`` from the lock's queue (an async waiter's, at its end)."""
+        self._places[key] = place
+        self.end_wait(key, False)
+
+    def _poll(self, key: str, remaining: float | None) -> None:
+        """Poll with a plain SELECT until the lock looks free, for at most ``remaining`` seconds."""
+        deadline = deadline_after(remaining)
+        delay = POLL_FIRST
+        while True:
+            if not sleep(delay, deadline):
+                return
+
+            def is_live(connection: BaseDatabaseWrapper) -> bool:
+                with connection.cursor() as cursor:
+                    cursor.execute(sql_for(connection).is_live, [key])
+                    return cursor.fetchone() is not None
+
+            if not self._run(is_live):
+                return
+            delay = min(delay * 2, POLL_MAX)

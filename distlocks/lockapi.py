@@ -1,0 +1,81 @@
+"""LockAPI: what every kind of lock offers on top of its ``acquire()`` and ``release()``.
+
+``with``, the decorator, and the wording of the kind's errors are the same for
+the lock, the read-write lock's sides, the semaphore and the multi-lock: they
+live here once, apart from ``DistributedLock``'s acquire loop (``lock.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any, ParamSpec, TypeVar
+
+from distlocks.exceptions import LockError, LockNotAcquired
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class _Default:
+    def __repr__(self) -> str:
+        return "<the lock's wait>"
+
+
+_DEFAULT: Any = _Default()
+
+
+L = TypeVar("L", bound="LockAPI")
+E = TypeVar("E", bound=LockError)
+
+
+class LockAPI:
+    """The context manager and decorator of every kind of lock, built on its ``acquire()`` and ``release()``.
+
+    It also words the kind's errors: "<noun> 'name' on 'alias' <what>".
+    """
+
+    noun = "Lock"
+    name: str
+    alias: str
+    wait: float | None
+
+    def acquire(self, wait: float | None = _DEFAULT) -> bool:
+        raise NotImplementedError("subclasses of LockAPI must provide an acquire() method")
+
+    def release(self) -> None:
+        raise NotImplementedError("subclasses of LockAPI must provide a release() method")
+
+    def _message(self, what: str) -> str:
+        return f"{self.noun} {self.name!r} on {self.alias!r} {what}"
+
+    def _error(self, kind: type[E], what: str) -> E:
+        """A ``kind`` of LockError about this lock, saying ``what``."""
+        return kind(self._message(what), name=self.name, alias=self.alias)
+
+    def _not_acquired(self, wait: float | None) -> LockNotAcquired:
+        return self._error(LockNotAcquired, f"not acquired within {wait}s")
+
+    def __enter__(self: L) -> L:
+        if not self.acquire():
+            raise self._not_acquired(self.wait)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+    def __call__(self, func: Callable[P, R]) -> Callable[P, R]:
+        """Use the lock as a decorator: hold it while ``func`` runs."""
+
+        @functools.wraps(func)
+        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+            with self:
+                return func(*args, **kwargs)
+
+        return wrapper
