@@ -13,24 +13,21 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 from distlocks.backends.base import AsyncTurn
-from distlocks.backends.redis.aiowait import LoopReleases, RedisTurn, loop_releases
+from distlocks.backends.redis.aiowait import LoopReleases, QueuingBackend, RedisTurn, loop_releases
 from distlocks.backends.redis.keys import lock_hash
 from distlocks.backends.redis.scripts import Attempt, registered
 from distlocks.backends.redis.server import connection_errors, inspected, policy_of
 from distlocks.exceptions import BackendUnavailable
 from distlocks.owner import Owner
 
-if TYPE_CHECKING:
-    from distlocks.backends.redis.backend import RedisBackend
-
 
 class AsyncRedis:
     """``RedisBackend``'s lock primitives as coroutines (``AsyncPrimitives``), for one backend instance."""
 
-    def __init__(self, backend: RedisBackend) -> None:
+    def __init__(self, backend: QueuingBackend) -> None:
         self.backend = backend
         self.server = (backend.cache, backend.address)
 

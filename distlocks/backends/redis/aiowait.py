@@ -22,6 +22,7 @@ from typing import Any, Protocol, cast
 from distlocks.backends.base import AsyncTurn, BaseLockBackend
 from distlocks.backends.redis.handover import Waiter, give_back, pass_on
 from distlocks.backends.redis.scripts import Attempt
+from distlocks.exceptions import BackendUnavailable
 from distlocks.owner import Owner
 
 logger = logging.getLogger(__name__)
@@ -182,7 +183,7 @@ async def _until(event: asyncio.Event, timeout: float) -> None:
 
 
 class QueuingBackend(Protocol):
-    """What a task's turn calls on ``RedisBackend`` (a protocol: this module sits below the backend, not above)."""
+    """What a task's turn and the async primitives call on ``RedisBackend`` (a protocol: this module sits below the backend, not above)."""
 
     cache: str
     _wait_hint: dict[str, float]
@@ -193,8 +194,17 @@ class QueuingBackend(Protocol):
     @property
     def client(self) -> Any: ...
 
+    def _keys(self, key: str) -> tuple[str, str, str]: ...
+
     @staticmethod
     def _rw_keys(key: str) -> tuple[str, str, str]: ...
+
+    @staticmethod
+    def _ms(ttl: float) -> int: ...
+
+    def _unavailable(self, exc: Exception) -> BackendUnavailable: ...
+
+    def inspected(self, policy: str | None) -> None: ...
 
     def attempt(self, key: str, owner: Owner, ttl: float, waiter: Waiter | None) -> Attempt: ...
 
