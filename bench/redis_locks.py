@@ -141,7 +141,7 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from tests.servers import RedisServer
+    from localservers import RedisServer
 
     nodes = [RedisServer(port).start() for port in NODE_PORTS]
     try:

@@ -53,7 +53,7 @@ def setup() -> None:
     import django
     from django.conf import settings
 
-    from tests.servers import REDIS_PORT, ZK_PORT, redis_url
+    from localservers import REDIS_PORT, ZK_PORT, redis_url
 
     django.setup()
     settings.CACHES["bench"] = {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": redis_url(REDIS_PORT)}
@@ -82,7 +82,7 @@ def sides(
         return rw.read().acquire, rw.read().release, rw.write().acquire, rw.write().release
     from kazoo.client import KazooClient
 
-    from tests.servers import ZK_PORT
+    from localservers import ZK_PORT
 
     zk = KazooClient(hosts=f"127.0.0.1:{ZK_PORT}")
     zk.start()
@@ -144,7 +144,7 @@ def main() -> None:
         worker(impl, role, name, float(seconds), counter)
         return
 
-    from tests.servers import REDIS_PORT, ZK_PORT, RedisServer, ZooKeeperServer
+    from localservers import REDIS_PORT, ZK_PORT, RedisServer, ZooKeeperServer
 
     with tempfile.TemporaryDirectory() as directory:
         redis = RedisServer(REDIS_PORT).start()

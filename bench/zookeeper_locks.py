@@ -138,7 +138,7 @@ def main() -> None:
         worker(impl, name, float(seconds), counter, log)
         return
 
-    from tests.servers import ZooKeeperServer
+    from localservers import ZooKeeperServer
 
     with tempfile.TemporaryDirectory() as directory:
         server = ZooKeeperServer(PORT, directory).start()

@@ -11,7 +11,7 @@ venv_install -r requirements.txt
 ensure_databases
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-.venv/bin/mypy distlocks demo_shop tests bench
+.venv/bin/mypy distlocks demo_shop tests bench localservers.py
 .venv/bin/pytest "$@"
 if ! .venv/bin/python -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then
   echo "That was Django 5.2 LTS on Python $(.venv/bin/python -c 'import platform; print(platform.python_version())') already."

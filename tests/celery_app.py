@@ -19,7 +19,7 @@ django.setup()
 from celery import Celery  # noqa: E402
 
 from distlocks.celery import LockedTask  # noqa: E402
-from tests.servers import REDIS_PORT  # noqa: E402
+from localservers import REDIS_PORT  # noqa: E402
 
 app = Celery("tests", broker=f"redis://127.0.0.1:{REDIS_PORT}/1", backend=f"redis://127.0.0.1:{REDIS_PORT}/2")
 app.conf.update(

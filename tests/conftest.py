@@ -15,7 +15,7 @@ from django.db import connections
 
 import distlocks
 from distlocks.backends.db import close_connections
-from tests.servers import REDIS_PORT, REDLOCK_PORTS, ZK_PORT, RedisServer, ZooKeeperServer, answers, zk_answers
+from localservers import REDIS_PORT, REDLOCK_PORTS, ZK_PORT, RedisServer, ZooKeeperServer, answers, zk_answers
 
 ROOT = Path(__file__).resolve().parent.parent
 DB_ALIASES = ["default", "mariadb", "postgresql"]

@@ -15,7 +15,7 @@ from typing import Any
 from demo_shop.common_settings import INSTALLED_APPS, database
 from demo_shop.common_settings import MIDDLEWARE as MIDDLEWARE
 from demo_shop.common_settings import TEMPLATES as TEMPLATES
-from tests.servers import REDLOCK_PORTS, ZK_PORT, redis_url
+from localservers import REDLOCK_PORTS, ZK_PORT, redis_url
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 SECRET_KEY = "distlocks-tests-only"  # the tests serve nothing

@@ -8,8 +8,9 @@ import sys
 
 import pytest
 
+from localservers import REDIS_PORT
+
 from .conftest import DB, ROOT
-from .servers import REDIS_PORT
 
 pytestmark = [DB, pytest.mark.servers("redis", "zookeeper")]
 

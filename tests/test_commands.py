@@ -15,9 +15,9 @@ from django.db import connections
 
 import distlocks
 from distlocks.models import Lock
+from localservers import REDLOCK_PORTS, redis_url
 
 from .conftest import DB, DB_ALIASES, ROOT, worker_env
-from .servers import REDLOCK_PORTS, redis_url
 
 pytestmark = [DB, pytest.mark.servers("redis", "zookeeper")]
 

@@ -13,9 +13,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import distlocks
 from distlocks.signals import lock_acquire_failed, lock_acquired, lock_lost, lock_released
+from localservers import REDIS_PORT, RedisServer
 from tests.conftest import DB, Holder, Worker
 from tests.faults.conftest import frozen
-from tests.servers import REDIS_PORT, RedisServer
 from tests.test_lock import in_thread
 
 pytestmark = [DB, pytest.mark.servers("redis")]

@@ -15,9 +15,9 @@ import distlocks
 from distlocks.backends.redis import backend as redis_backend
 from distlocks.handler import locks
 from distlocks.owner import acting_as, current_owner, task_owner
+from localservers import REDIS_PORT, RedisServer, answers
 
 from .conftest import DB, queue_waiters
-from .servers import REDIS_PORT, RedisServer, answers
 
 pytestmark = [DB, pytest.mark.servers("redis")]
 

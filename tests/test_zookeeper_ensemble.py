@@ -6,8 +6,9 @@ import time
 
 import pytest
 
+from localservers import ZooKeeperServer, zk_answers
+
 from .conftest import DB, ZK_PORT, guarded_events
-from .servers import ZooKeeperServer, zk_answers
 
 pytestmark = DB
 

@@ -18,7 +18,7 @@ from django.test import override_settings
 
 import distlocks
 from distlocks.backends.db import close_connections
-from tests.servers import RedisServer, answers
+from localservers import RedisServer, answers
 
 
 @pytest.fixture

@@ -12,8 +12,8 @@ import pytest
 import distlocks
 from distlocks.backends.redis.keys import lock_hash, lock_keys
 from distlocks.handler import locks
+from localservers import REDIS_PORT
 from tests.faults.conftest import frozen
-from tests.servers import REDIS_PORT
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

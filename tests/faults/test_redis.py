@@ -14,9 +14,9 @@ from redis.crc import key_slot
 import distlocks
 from distlocks.checks import check_distlocks
 from distlocks.handler import locks
+from localservers import REDIS_PORT
 from tests.conftest import DB, Holder
 from tests.faults.conftest import free_elsewhere
-from tests.servers import REDIS_PORT
 
 pytestmark = [DB, pytest.mark.servers("redis")]
 

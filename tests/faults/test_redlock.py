@@ -13,9 +13,9 @@ import distlocks
 from distlocks.backends.redlock import NODE_DEADLINE_SHARE
 from distlocks.handler import locks
 from distlocks.owner import current_owner
+from localservers import REDIS_PORT, RedisServer, answers
 from tests.conftest import DB, Holder, guarded_events
 from tests.faults.conftest import free_elsewhere
-from tests.servers import REDIS_PORT, RedisServer, answers
 
 pytestmark = [DB, pytest.mark.servers("redis")]
 

@@ -27,8 +27,8 @@ from distlocks.backends.zookeeper.session import _sessions
 from distlocks.handler import locks
 from distlocks.owner import current_owner
 from distlocks.signals import lock_lost
+from localservers import ZK_PORT, ZooKeeperServer
 from tests.faults.conftest import frozen
-from tests.servers import ZK_PORT, ZooKeeperServer
 
 pytestmark = pytest.mark.servers("zookeeper")
 

@@ -1,4 +1,5 @@
-"""Redis servers of the tests' own, on loopback ports (nothing kept on disk)."""
+"""The Redis and ZooKeeper servers that the tests and the benchmarks start for themselves, on loopback ports
+(nothing kept on disk). A module of its own, so that ``bench/`` need not import from ``tests/``."""
 
 from __future__ import annotations
 
