@@ -125,6 +125,11 @@ class Worker:
         return out.split()
 
     def kill(self):
+        """SIGKILL the worker (a no-op once it has ended), reap it and close its pipe.
+
+        Left to the garbage collector, an open pipe is a ResourceWarning in
+        whichever later test the collection happens to run.
+        """
         self.process.kill()
         self.process.wait()
         self.process.stdout.close()
@@ -140,9 +145,8 @@ def workers():
         return worker
 
     yield start
-    for worker in started:
-        if worker.process.poll() is None:
-            worker.kill()
+    for worker in started:  # those that ended by themselves too: their pipes are still open
+        worker.kill()
 
 
 @pytest.fixture
