@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import subprocess
@@ -78,6 +79,30 @@ def alias(request):
     """Each configured lock alias; the module must be marked ``DB`` for the databases."""
     request.getfixturevalue("transactional_db")
     return request.param
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _freeze_what_the_session_keeps():
+    """Leave what exists before the first test (modules, classes, the collected tests) out of later collections.
+
+    ``_collect_garbage`` then looks only at the newer objects: some 10 ms a test instead of 100.
+    """
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
+
+
+@pytest.fixture(autouse=True)
+def _collect_garbage(request):
+    """Collect the test's garbage in its own teardown: a pipe or socket it left open is then a ResourceWarning
+    (an error) of this test, not of whichever later test a collection happens to run in.
+
+    The test's fixture values stay referenced until its teardown ends: let go of them first.
+    """
+    yield
+    request.node.funcargs.clear()
+    gc.collect()
 
 
 @pytest.fixture(autouse=True)
