@@ -45,6 +45,7 @@ class RedisServer:
         deadline = time.monotonic() + 10
         while not answers(self.port):
             if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()  # reaped now, not left to the garbage collector
                 raise RuntimeError(f"redis-server did not start on port {self.port}")
             time.sleep(0.05)
         return self
@@ -118,6 +119,7 @@ class ZooKeeperServer:
         deadline = time.monotonic() + timeout
         while not zk_answers(self.port):
             if self.process is None or self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()  # reaped now, not left to the garbage collector
                 raise RuntimeError(f"ZooKeeper did not start on port {self.port}")
             time.sleep(0.1)
 

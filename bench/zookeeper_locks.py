@@ -39,7 +39,7 @@ os.environ["DJANGO_SETTINGS_MODULE"] = "bench.settings"
 
 IMPLS = ["floor", "kazoo Lock", "distlocks"]
 PROCESSES = 4
-PORT = 12281
+PORT = int(os.environ.get("DISTLOCKS_BENCH_ZK_PORT", "12281"))  # another lets two runs go at once
 
 
 def setup() -> None:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import subprocess
@@ -80,6 +81,30 @@ def alias(request):
     return request.param
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _freeze_what_the_session_keeps():
+    """Leave what exists before the first test (modules, classes, the collected tests) out of later collections.
+
+    ``_collect_garbage`` then looks only at the newer objects: some 10 ms a test instead of 100.
+    """
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
+
+
+@pytest.fixture(autouse=True)
+def _collect_garbage(request):
+    """Collect the test's garbage in its own teardown: a pipe or socket it left open is then a ResourceWarning
+    (an error) of this test, not of whichever later test a collection happens to run in.
+
+    The test's fixture values stay referenced until its teardown ends: let go of them first.
+    """
+    yield
+    request.node.funcargs.clear()
+    gc.collect()
+
+
 @pytest.fixture(autouse=True)
 def _close_lock_connections():
     # Lock connections live as long as their thread; the test databases can only
@@ -125,6 +150,11 @@ class Worker:
         return out.split()
 
     def kill(self):
+        """SIGKILL the worker (a no-op once it has ended), reap it and close its pipe.
+
+        Left to the garbage collector, an open pipe is a ResourceWarning in
+        whichever later test the collection happens to run.
+        """
         self.process.kill()
         self.process.wait()
         self.process.stdout.close()
@@ -140,9 +170,8 @@ def workers():
         return worker
 
     yield start
-    for worker in started:
-        if worker.process.poll() is None:
-            worker.kill()
+    for worker in started:  # those that ended by themselves too: their pipes are still open
+        worker.kill()
 
 
 @pytest.fixture

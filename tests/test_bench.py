@@ -3,18 +3,26 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
-from localservers import REDIS_PORT
+from localservers import REDIS_PORT, ZK_PORT
 
 from .conftest import DB, ROOT
 
 pytestmark = [DB, pytest.mark.servers("redis", "zookeeper")]
 
 QUICK = ["--cycles", "20", "--rounds", "1", "--seconds", "0.5"]
+# Benchmark databases and ZooKeeper port of this run's own, from its test ports: runs side
+# by side (scripts/test.sh's two passes) must not drop each other's databases.
+ENV = {
+    **os.environ,
+    "DISTLOCKS_BENCH_DATABASE": f"distlocks_bench_{REDIS_PORT}",
+    "DISTLOCKS_BENCH_ZK_PORT": str(ZK_PORT + 100),
+}
 
 
 @pytest.mark.parametrize(
@@ -30,6 +38,7 @@ def test_benchmark_runs_and_loses_no_update(script, arguments, results, tmp_path
     completed = subprocess.run(
         [sys.executable, str(ROOT / "bench" / script), *QUICK, "--out", str(tmp_path), *arguments],
         cwd=ROOT,
+        env=ENV,
         capture_output=True,
         text=True,
         timeout=600,
@@ -55,6 +64,7 @@ def test_kinds_benchmark_runs(tmp_path):
             f"redis://127.0.0.1:{REDIS_PORT}/15",
         ],
         cwd=ROOT,
+        env=ENV,
         capture_output=True,
         text=True,
         timeout=600,

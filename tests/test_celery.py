@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -53,12 +54,17 @@ class CeleryWorker:
         env = {**worker_env(), "CELERY_SKIP_CHECKS": "1"}
         self.process = subprocess.Popen(command, cwd=ROOT, env=env, start_new_session=True)
         deadline = time.monotonic() + 60
-        while not app.control.ping(destination=[self.name], timeout=0.5):
-            assert self.process.poll() is None, f"celery worker exited with {self.process.returncode}"
-            assert time.monotonic() < deadline, "celery worker did not answer within 60 s"
+        try:
+            while not app.control.ping(destination=[self.name], timeout=0.5):
+                assert self.process.poll() is None, f"celery worker exited with {self.process.returncode}"
+                assert time.monotonic() < deadline, "celery worker did not answer within 60 s"
+        except BaseException:
+            self.kill()  # no fixture knows of it yet
+            raise
 
     def kill(self) -> None:
-        os.killpg(self.process.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # the group is gone once all of it has ended
+            os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
 
     def stop(self) -> None:

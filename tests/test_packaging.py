@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import subprocess
 import sys
@@ -37,9 +39,24 @@ def clean_env():
     return {k: v for k, v in os.environ.items() if k not in ("DJANGO_SETTINGS_MODULE", "PYTHONPATH", "VIRTUAL_ENV")}
 
 
+@contextlib.contextmanager
+def one_build_at_a_time():
+    """Lock the checkout while a build writes distlocks.egg-info and the sdist's tree in it.
+
+    Two runs in one checkout (scripts/test.sh's two passes, side by side) then take turns.
+    """
+    checkout = os.open(ROOT, os.O_RDONLY)
+    try:
+        fcntl.flock(checkout, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(checkout)
+
+
 def test_wheel_and_sdist_install_in_a_fresh_virtualenv(tmp_path):
     dist = tmp_path / "dist"
-    run(sys.executable, "-m", "build", "--outdir", str(dist), str(ROOT), cwd=tmp_path)
+    with one_build_at_a_time():
+        run(sys.executable, "-m", "build", "--outdir", str(dist), str(ROOT), cwd=tmp_path)
     (sdist,) = dist.glob("distlocks-*.tar.gz")
     (wheel,) = dist.glob("distlocks-*.whl")
 
