@@ -363,7 +363,7 @@ class RedlockBackend(BaseLockBackend):
         time.sleep(delay if remaining is None else min(delay, remaining))
 
     def held(self) -> Iterator[LockInfo]:
-        """Yield the locks held on a majority, with the token a majority of the nodes show.
+        """Yield the locks held on a majority, with the token and hold count a majority of the nodes show.
 
         After an acquire the nodes of its majority agree on its token (see
         ``_agree``); a node that took it late shows it too once it answered.
@@ -380,15 +380,16 @@ class RedlockBackend(BaseLockBackend):
                     alias=self.alias,
                     key=first.key,
                     owner=first.owner,
-                    hold_count=first.hold_count,
-                    token=self._shown_token([info.token or 0 for info in infos]),
+                    hold_count=self._shown([info.hold_count for info in infos]),
+                    token=self._shown([info.token or 0 for info in infos]),
                     acquired_at=first.acquired_at,
                     expires_at=min(info.expires_at for info in infos if info.expires_at),
                 )
 
-    def _shown_token(self, tokens: list[int]) -> int:
-        token, count = collections.Counter(tokens).most_common(1)[0]
-        return token if count >= self.quorum else max(tokens)
+    def _shown(self, values: list[int]) -> int:
+        """The value a majority of the nodes show (a slow node may not have applied the last change yet), else the largest."""
+        value, count = collections.Counter(values).most_common(1)[0]
+        return value if count >= self.quorum else max(values)
 
     def force_release(self, key: str, token: int | None = None) -> bool:
         """Free the lock on every node (with ``token``: on every node whose hash shows that token).
