@@ -7,7 +7,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from distlocks.backends.base import LockInfo
+from distlocks.backends.base import BaseLockBackend, LockInfo
 from distlocks.exceptions import LockError
 from distlocks.handler import locks
 from distlocks.owner import task_id_of
@@ -66,10 +66,8 @@ def force_release(alias: str, key: str, token: int | None = None, kind: str = "l
     A read-write lock's holder (``kind`` "read" or "write") is freed alone:
     with ``token``, that one; without, the writer or else any one reader.
     """
-    backend = locks[alias]
-    if kind in READ_WRITE:
-        return backend.rw_force_release(key, token)
-    return backend.force_release(key) if token is None else backend.force_release(key, token)
+    backend = _backend(alias, kind)
+    return backend.force_release(_key(key, kind)) if token is None else backend.force_release(_key(key, kind), token)
 
 
 def holder(alias: str, key: str, kind: str = "lock") -> LockInfo | None:
@@ -77,9 +75,17 @@ def holder(alias: str, key: str, kind: str = "lock") -> LockInfo | None:
 
     For a read-write lock's side (``kind`` "read" or "write"): one of its holders.
     """
-    if kind in READ_WRITE:
-        return locks[alias].rw_holder(key, kind)
-    return locks[alias].holder(key)
+    return _backend(alias, kind).holder(_key(key, kind))
+
+
+def _backend(alias: str, kind: str) -> BaseLockBackend:
+    """What holds a lock of ``kind``: the backend, or for a read-write lock's side its ``read_write_side``."""
+    return locks[alias].read_write_side(kind) if kind in READ_WRITE else locks[alias]
+
+
+def _key(key: str, kind: str) -> str:
+    """The key of the lock stored as ``key`` on ``_backend``: a read-write lock's side's ends in ``#read``/``#write``."""
+    return f"{key}#{kind}" if kind in READ_WRITE else key
 
 
 def clear_expired(alias: str, dry_run: bool = False) -> tuple[int, str]:

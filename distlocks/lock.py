@@ -92,7 +92,7 @@ class DistributedLock(LockAPI):
 
     @classmethod
     def primitives(cls, backend: BaseLockBackend) -> BaseLockBackend:
-        """What this kind of lock calls on ``backend`` (the read-write lock's sides call its read-write primitives)."""
+        """What this kind of lock calls on ``backend`` (a read-write lock's side: its ``read_write_side``)."""
         return backend
 
     @property

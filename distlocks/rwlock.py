@@ -1,11 +1,12 @@
 """Read-write lock: many readers or one writer, across processes.
 
 ``read_write_lock("doc:7")`` is stored as ``rw:doc:7`` on its backend. Its two
-sides, ``read()`` and ``write()``, are ``DistributedLock``s built on the
-backend's read-write primitives (``rw_acquire`` and friends) instead of its
-mutex ones, so that each side gets what the lock gives: a lease renewed by the
-watchdog (on ZooKeeper, the session), ``LockLost``, a fencing token per
-acquisition, re-entry per thread, ``BackendUnavailable`` in bounded time.
+sides, ``read()`` and ``write()``, are ``DistributedLock``s on the backend's
+``read_write_side("read")`` and ``read_write_side("write")`` (lock backends of
+their own: see ``distlocks.backends.sides``) instead of the backend, so that
+each side gets what the lock gives: a lease renewed by the watchdog (on
+ZooKeeper, the session), ``LockLost``, a fencing token per acquisition,
+re-entry per thread, ``BackendUnavailable`` in bounded time.
 
 A writer that waits is recorded on the server and blocks new readers, so a
 stream of readers never starves it (the writer preference of Java's
@@ -18,121 +19,16 @@ such readers would wait for each other for ever.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable
 from typing import Any
 
-from distlocks.backends.base import AsyncTurn, BaseLockBackend, LockInfo, check_name_and_alias
-from distlocks.exceptions import BackendUnavailable
+from distlocks.backends.base import AsyncTurn, BaseLockBackend, check_name_and_alias
+from distlocks.backends.sides import READ, WRITE
 from distlocks.handler import DEFAULT_ALIAS, locks
 from distlocks.holds import holds
 from distlocks.lock import DistributedLock
-from distlocks.owner import Owner
 
 #: The prefix of a read-write lock's name on its backend (as ``sem:`` is the semaphore's).
 PREFIX = "rw:"
-READ, WRITE = "read", "write"
-
-
-class _Side(BaseLockBackend):
-    """A backend's read-write primitives for one side, under the names the core calls.
-
-    The core keeps a thread's holds by key: each side's key is the lock's key
-    and a suffix (``#read``, ``#write``), which this strips before asking the backend.
-    """
-
-    def __init__(self, backend: BaseLockBackend, mode: str) -> None:  # noqa: D107 (no BaseLockBackend set-up)
-        self.backend = backend
-        self.mode = mode
-        self.alias = backend.alias
-        self.suffix = f"#{mode}"
-        self.session_bound = backend.session_bound
-
-    def _key(self, key: str) -> str:
-        return key[: -len(self.suffix)]
-
-    def try_acquire(self, key: str, owner: Owner, ttl: float) -> int | None:
-        return self.backend.rw_acquire(self._key(key), owner, ttl, self.mode)
-
-    def reenter(self, key: str, owner: Owner, ttl: float) -> bool:
-        return self.backend.rw_reenter(self._key(key), owner, ttl, self.mode)
-
-    def release(self, key: str, owner: Owner) -> bool:
-        return self.backend.rw_release(self._key(key), owner, self.mode)
-
-    def extend(self, key: str, owner: Owner, ttl: float) -> bool:
-        return self.backend.rw_extend(self._key(key), owner, ttl, self.mode)
-
-    def wait(self, key: str, attempt: int, remaining: float | None) -> None:
-        self.backend.rw_wait(self._key(key), self.mode, attempt, remaining)
-
-    def begin_wait(self, key: str) -> None:
-        self.backend.rw_begin_wait(self._key(key), self.mode)
-
-    def end_wait(self, key: str, acquired: bool) -> None:
-        self.backend.rw_end_wait(self._key(key), self.mode, acquired)
-
-    def drop(self, key: str, owner: Owner) -> bool:
-        return self.backend.rw_drop(self._key(key), owner, self.mode)
-
-    def holder(self, key: str) -> LockInfo | None:
-        return self.backend.rw_holder(self._key(key), self.mode)
-
-    def async_turn(self, key: str) -> AsyncTurn:
-        return self.backend.rw_async_turn(self._key(key), self.mode) or SideTurn(self._key(key), self.mode)
-
-
-class SideTurn(AsyncTurn):
-    """An async acquire of a read-write lock's side: a writer that waits stays recorded as waiting.
-
-    A waiting thread's record lasts from ``begin_wait`` to ``end_wait`` on its
-    backend instance; a task's attempts run in any pool thread, each on that
-    thread's instance. So each attempt after the first wait records the writer
-    (renewing the record's lease), keeps the record past the attempt
-    (``rw_keep_waiting``), and the end of an acquire that gave up deletes it.
-    """
-
-    def __init__(self, key: str, mode: str) -> None:
-        self.key = key  # the read-write lock's, without the side's suffix
-        self.mode = mode
-        self.waiting = False
-        self.secret = ""  # of the writer recorded as waiting, if it was
-
-    def try_acquire(self, backend: BaseLockBackend, key: str, owner: Owner, ttl: float) -> int | None:
-        if not self.waiting:
-            return backend.try_acquire(key, owner, ttl)
-        assert isinstance(backend, _Side)
-        backend.begin_wait(key)
-        try:
-            return backend.try_acquire(key, owner, ttl)
-        finally:
-            self.secret = backend.backend.rw_keep_waiting(self.key, self.mode) or self.secret
-
-    async def wait(self, attempt: int, remaining: float | None) -> None:
-        self.waiting = True
-        await super().wait(attempt, remaining)
-
-    def end(self, acquired: bool) -> Callable[[BaseLockBackend], None] | None:
-        key, secret = self.key, self.secret
-        if acquired or not secret:
-            return None  # a writer that got the lock is no longer recorded waiting
-
-        def abandon(backend: BaseLockBackend) -> None:
-            with contextlib.suppress(BackendUnavailable):  # else the record's lease runs out
-                backend.rw_abandon(key, secret)
-
-        return abandon
-
-
-def side(backend: BaseLockBackend, mode: str) -> BaseLockBackend:
-    """``backend``'s primitives for the ``mode`` side, made once per backend instance (one per thread)."""
-    sides: dict[str, _Side] | None = getattr(backend, "_distlocks_rw_sides", None)
-    if sides is None:
-        sides = backend._distlocks_rw_sides = {}  # type: ignore[attr-defined]
-    found = sides.get(mode)
-    if found is None:
-        found = sides[mode] = _Side(backend, mode)
-    return found
 
 
 class ReadLock(DistributedLock):
@@ -144,7 +40,7 @@ class ReadLock(DistributedLock):
 
     @classmethod
     def primitives(cls, backend: BaseLockBackend) -> BaseLockBackend:
-        return side(backend, cls.mode)
+        return backend.read_write_side(cls.mode)
 
 
 class WriteLock(ReadLock):
@@ -178,11 +74,13 @@ class ReadWriteLock:
     ) -> None:
         check_name_and_alias(name, using)
         backend = locks[using]
-        if not backend.rw_supported:
+        try:
+            backend.read_write_side(READ)
+        except NotImplementedError as exc:
             raise NotImplementedError(
                 f"the {using!r} backend ({type(backend).__name__}) has no read-write locks: "
                 "use the Redis, ZooKeeper, database table or LocMem backend"
-            )
+            ) from exc
         self.name = name
         self.alias = using
         sides: dict[str, Any] = {"using": using, "ttl": ttl, "wait": wait, "renew": renew}

@@ -457,8 +457,9 @@ def test_a_side_handed_to_a_waiter_its_process_forgot_is_given_back(alias, leave
     def forgotten_reader():
         backend = distlocks.handler.locks[alias]
         key = backend.make_key(f"rw:{name}")
-        backend.rw_wait(key, "read", 0, 1.0)  # subscribes the process's channel
-        assert backend.rw_acquire(key, current_owner(), 30.0, "read") is None  # queued
+        reading = backend.read_write_side("read")
+        reading.wait(key + "#read", 0, 1.0)  # subscribes the process's channel
+        assert reading.try_acquire(key + "#read", current_owner(), 30.0) is None  # queued
         # As if Redis had been unreachable when it gave up: it is still queued.
         slot = backend._rw_keys(key)[0]
         backend._releases().discharge(backend._waiting.pop(slot))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import random
 import time
@@ -15,7 +14,6 @@ from typing import Any, Protocol
 from django.core.checks import CheckMessage
 from django.core.exceptions import ImproperlyConfigured
 
-from distlocks.exceptions import BackendUnavailable
 from distlocks.owner import Owner
 
 DEFAULT_TTL = 30.0
@@ -191,6 +189,12 @@ class BaseLockBackend:
       fencing counters, empty nodes); ``cleanup_noun`` names those leftovers
       in the command's report, since they differ from server to server.
 
+    - ``read_write_side(mode)``: a read-write lock's side ("read" or
+      "write") as a lock backend of its own, with these same primitives and
+      meanings on the side's key (see ``backends.sides.ReadWriteSide``); the
+      backend names its class in ``side_class``. Its holds are listed by the
+      backend's ``held()`` with ``kind`` "read" or "write".
+
     Session-bound backends (``session_bound``: a hold lives with the holding
     process's session, not as a lease) also provide ``drop``, and may provide
     ``record`` (the semaphore's permits marker there).
@@ -264,91 +268,22 @@ class BaseLockBackend:
         """The lock calls as coroutines, for a backend whose client has an asyncio form; None: pool threads."""
         return None
 
-    # -- read-write locks (see distlocks.rwlock): ``mode`` is "read" or "write" ---------
+    #: The class of a side of this backend's read-write locks (a ``backends.sides.ReadWriteSide``), if it has them.
+    side_class: type[Any] | None = None
 
-    #: True if the backend provides the ``rw_*`` primitives below.
-    rw_supported = False
+    def read_write_side(self, mode: str) -> BaseLockBackend:
+        """The ``mode`` side ("read" or "write") of this backend's read-write locks, as a lock backend.
 
-    def rw_acquire(self, key: str, owner: Owner, ttl: float, mode: str) -> int | None:
-        """Take the ``mode`` side of the read-write lock ``key`` once; return a new fencing token, or None.
-
-        A reader gets it unless a writer holds it (the owner itself: a
-        downgrade) or waits for it; a writer unless anyone else holds it. A
-        writer between ``rw_begin_wait`` and ``rw_end_wait`` that does not get
-        it is recorded as waiting (with a lease of ``ttl``), which blocks new readers.
+        One per backend instance and mode (so per thread); NotImplementedError
+        if the backend has no read-write locks.
         """
-        raise NotImplementedError(f"the {self.alias!r} backend ({type(self).__name__}) has no read-write locks")
-
-    def rw_reenter(self, key: str, owner: Owner, ttl: float, mode: str) -> bool:
-        """Count one more hold of the ``mode`` side and renew it; False if ``owner`` no longer holds it."""
-        raise NotImplementedError(f"the {self.alias!r} backend ({type(self).__name__}) has no read-write locks")
-
-    def rw_release(self, key: str, owner: Owner, mode: str) -> bool:
-        """Drop one hold of the ``mode`` side, freeing it at zero; False if ``owner`` has no live lease."""
-        raise NotImplementedError(f"the {self.alias!r} backend ({type(self).__name__}) has no read-write locks")
-
-    def rw_extend(self, key: str, owner: Owner, ttl: float, mode: str) -> bool:
-        """Renew ``owner``'s lease of the ``mode`` side for ``ttl`` seconds; False if it has none."""
-        raise NotImplementedError(f"the {self.alias!r} backend ({type(self).__name__}) has no read-write locks")
-
-    def rw_wait(self, key: str, mode: str, attempt: int, remaining: float | None) -> None:
-        """Block until the ``mode`` side may be free, at most ``remaining`` seconds (default: back off)."""
-        BaseLockBackend.wait(self, key, attempt, remaining)
-
-    def rw_begin_wait(self, key: str, mode: str) -> None:
-        """An acquire of the ``mode`` side that may wait begins: a writer is then recorded as waiting."""
-        self._rw_waiters()[key] = ""
-
-    def rw_end_wait(self, key: str, mode: str, acquired: bool) -> None:
-        """The acquire of the ``mode`` side ends: forget the record of a writer that gave up (``rw_abandon``)."""
-        secret = self._rw_waiters().pop(key, "")
-        if secret and not acquired:
-            # Else new readers wait for it until its record's lease runs out.
-            with contextlib.suppress(BackendUnavailable):
-                self.rw_abandon(key, secret)
-
-    def _rw_waiters(self) -> dict[str, str]:
-        """This thread's acquires of read-write locks that may wait: key -> the secret of a writer recorded waiting."""
-        waiters: dict[str, str] | None = self.__dict__.get("_rw_waiting")
-        if waiters is None:
-            waiters = self.__dict__["_rw_waiting"] = {}
-        return waiters
-
-    def rw_waits(self, key: str, mode: str) -> bool:
-        """Whether an attempt at the ``mode`` side of ``key`` that fails records a waiting writer."""
-        return mode == "write" and key in self._rw_waiters()
-
-    def rw_waiting(self, key: str, owner: Owner) -> None:
-        """Note that ``owner`` is recorded as a writer waiting for ``key`` (``rw_end_wait`` forgets it)."""
-        self._rw_waiters()[key] = owner.secret
-
-    def rw_async_turn(self, key: str, mode: str) -> AsyncTurn | None:
-        """A new async waiter for the ``mode`` side of ``key`` (see AsyncTurn), or None for the core's (``rwlock.SideTurn``)."""
-        return None
-
-    def rw_keep_waiting(self, key: str, mode: str) -> str:
-        """An attempt of an acquire that goes on in another thread (an async one) ends: keep its record, if any.
-
-        Return the secret of the writer the attempt recorded as waiting ('' if
-        none), which ``rw_end_wait`` then leaves on the server; the acquire
-        ``rw_abandon``s it when it gives up.
-        """
-        return self._rw_waiters().pop(key, "")
-
-    def rw_abandon(self, key: str, secret: str) -> None:
-        """Delete the record of the writer ``secret`` waiting for ``key``: new readers need not wait for it."""
-
-    def rw_drop(self, key: str, owner: Owner, mode: str) -> bool:
-        """Free ``owner``'s hold of the ``mode`` side whatever its count (session-bound backends; see ``drop``)."""
-        return False
-
-    def rw_force_release(self, key: str, token: int | None = None) -> bool:
-        """Free a holder of the read-write lock ``key`` (with ``token``: only that acquisition); False if none."""
-        raise NotImplementedError(f"the {self.alias!r} backend ({type(self).__name__}) has no read-write locks")
-
-    def rw_holder(self, key: str, mode: str) -> LockInfo | None:
-        """A holder of the ``mode`` side of ``key`` right now (a writer, or one of the readers), else None."""
-        return next((info for info in self.held() if info.key == key and info.kind == mode), None)
+        if self.side_class is None:
+            raise NotImplementedError(f"the {self.alias!r} backend ({type(self).__name__}) has no read-write locks")
+        sides: dict[str, BaseLockBackend] = self.__dict__.setdefault("_read_write_sides", {})
+        found = sides.get(mode)
+        if found is None:
+            found = sides[mode] = self.side_class(self, mode)
+        return found
 
     def holder(self, key: str) -> LockInfo | None:
         """The lock stored as ``key`` if it is held right now, else None.

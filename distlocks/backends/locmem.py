@@ -28,6 +28,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from distlocks.backends.base import BaseLockBackend, LockInfo, deadline_after, holds_in_doubt
+from distlocks.backends.sides import ReadWriteSide
 from distlocks.owner import Owner
 
 
@@ -132,8 +133,121 @@ def _utc(now: float, moment: float) -> datetime:
     return datetime.now(timezone.utc) + timedelta(seconds=moment - now)
 
 
+class LocMemSide(ReadWriteSide):
+    """A read-write lock's side in the store (see ``ReadWriteSide``): a ``_ReadWrite`` per read-write lock."""
+
+    backend: LocMemBackend
+
+    @staticmethod
+    def _rw(store: _Store, key: str, now: float) -> _ReadWrite:
+        rw = store.rw.get(key)
+        if rw is None:
+            rw = store.rw[key] = _ReadWrite()
+        rw.prune(now)
+        return rw
+
+    def try_acquire(self, key: str, owner: Owner, ttl: float) -> int | None:
+        store = self.backend._store
+        with store.locked:
+            now = time.monotonic()
+            rw = self._rw(store, self.lock_key(key), now)
+            mine = rw.writer is not None and rw.writer.secret == owner.secret
+            if self.mode == "read":
+                free = mine or (rw.writer is None and not rw.waiting)
+            else:
+                free = rw.writer is None and not rw.readers
+                if free and any(secret != owner.secret for secret in rw.waiting):
+                    # Writers queue in the order they first waited (dicts keep it).
+                    free = next(iter(rw.waiting)) == owner.secret
+            if not free:
+                if self.waits(key):
+                    rw.waiting[owner.secret] = now + ttl
+                    self.waiting(key, owner)
+                return None
+            token = store.token(self.lock_key(key))
+            held = _Held(owner.secret, owner.description, token, datetime.now(timezone.utc), now + ttl)
+            if self.mode == "read":
+                rw.readers[owner.secret] = held
+            else:
+                rw.waiting.pop(owner.secret, None)
+                rw.writer = held
+            return held.token
+
+    def reenter(self, key: str, owner: Owner, ttl: float) -> bool:
+        return self._renew(key, owner, ttl, more=1)
+
+    def extend(self, key: str, owner: Owner, ttl: float) -> bool:
+        return self._renew(key, owner, ttl, more=0)
+
+    def _renew(self, key: str, owner: Owner, ttl: float, more: int) -> bool:
+        store = self.backend._store
+        with store.locked:
+            now = time.monotonic()
+            held = self._rw(store, self.lock_key(key), now).side(self.mode).get(owner.secret)
+            if held is None:
+                return False
+            held.count += more
+            held.expires = now + ttl
+            return True
+
+    def release(self, key: str, owner: Owner) -> bool:
+        store = self.backend._store
+        with store.locked:
+            rw = self._rw(store, self.lock_key(key), time.monotonic())
+            held = rw.side(self.mode).get(owner.secret)
+            if held is None:
+                store.locked.notify_all()  # an expired lease was pruned: waiters may go
+                return False
+            held.count -= 1
+            if held.count == 0:
+                if self.mode == "read":
+                    del rw.readers[owner.secret]
+                else:
+                    rw.writer = None
+                store.locked.notify_all()
+            return True
+
+    def abandon(self, key: str, secret: str) -> None:
+        store = self.backend._store
+        with store.locked:
+            rw = store.rw.get(self.lock_key(key))
+            if rw is not None and rw.waiting.pop(secret, None) is not None:
+                store.locked.notify_all()  # readers it blocked may go
+
+    def wait(self, key: str, attempt: int, remaining: float | None) -> None:
+        """Sleep until a release or a change of waiters, at most ``remaining`` seconds (or the next lease's end)."""
+        store = self.backend._store
+        with store.locked:
+            rw = self._rw(store, self.lock_key(key), time.monotonic())
+            ends = [held.expires for held in [*rw.side("write").values(), *rw.readers.values()]]
+            ends.extend(rw.waiting.values())
+            timeout = min(ends, default=time.monotonic()) - time.monotonic()
+            timeout = max(0.001, timeout if remaining is None else min(timeout, remaining))
+            store.locked.wait(min(timeout, 1.0))
+
+    def force_release(self, key: str, token: int | None = None) -> bool:
+        store = self.backend._store
+        with store.locked:
+            rw = store.rw.get(self.lock_key(key))
+            if rw is None:
+                return False
+            rw.prune(time.monotonic())
+            for mode in ("write", "read"):
+                for secret, held in rw.side(mode).items():
+                    if token is None or held.token == token:
+                        if mode == "read":
+                            del rw.readers[secret]
+                        else:
+                            rw.writer = None
+                        store.locked.notify_all()
+                        return True
+            return False
+
+
 class LocMemBackend(BaseLockBackend):
     """Locks in this process's memory, for tests (see the module's docstring)."""
+
+    side_class = LocMemSide
 
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         super().__init__(alias, params)
@@ -219,7 +333,7 @@ class LocMemBackend(BaseLockBackend):
             now = time.monotonic()
             found = [self._info(store, key, held, now) for key, held in store.held.items() if held.expires > now]
         yield from found
-        yield from self.rw_held()
+        yield from self._rw_held()
 
     def _info(self, store: _Store, key: str, held: _Held, now: float) -> LockInfo:
         return LockInfo(
@@ -264,96 +378,7 @@ class LocMemBackend(BaseLockBackend):
                     store.rw.pop(key, None)
             return len(expired)
 
-    # -- read-write locks ------------------------------------------------------
-
-    rw_supported = True
-
-    def _rw(self, store: _Store, key: str, now: float) -> _ReadWrite:
-        rw = store.rw.get(key)
-        if rw is None:
-            rw = store.rw[key] = _ReadWrite()
-        rw.prune(now)
-        return rw
-
-    def rw_acquire(self, key: str, owner: Owner, ttl: float, mode: str) -> int | None:
-        store = self._store
-        with store.locked:
-            now = time.monotonic()
-            rw = self._rw(store, key, now)
-            mine = rw.writer is not None and rw.writer.secret == owner.secret
-            if mode == "read":
-                free = mine or (rw.writer is None and not rw.waiting)
-            else:
-                free = rw.writer is None and not rw.readers
-                if free and any(secret != owner.secret for secret in rw.waiting):
-                    # Writers queue in the order they first waited (dicts keep it).
-                    free = next(iter(rw.waiting)) == owner.secret
-            if not free:
-                if self.rw_waits(key, mode):
-                    rw.waiting[owner.secret] = now + ttl
-                    self.rw_waiting(key, owner)
-                return None
-            held = _Held(owner.secret, owner.description, store.token(key), datetime.now(timezone.utc), now + ttl)
-            if mode == "read":
-                rw.readers[owner.secret] = held
-            else:
-                rw.waiting.pop(owner.secret, None)
-                rw.writer = held
-            return held.token
-
-    def rw_reenter(self, key: str, owner: Owner, ttl: float, mode: str) -> bool:
-        return self._rw_renew(key, owner, ttl, mode, more=1)
-
-    def rw_extend(self, key: str, owner: Owner, ttl: float, mode: str) -> bool:
-        return self._rw_renew(key, owner, ttl, mode, more=0)
-
-    def _rw_renew(self, key: str, owner: Owner, ttl: float, mode: str, more: int) -> bool:
-        store = self._store
-        with store.locked:
-            now = time.monotonic()
-            held = self._rw(store, key, now).side(mode).get(owner.secret)
-            if held is None:
-                return False
-            held.count += more
-            held.expires = now + ttl
-            return True
-
-    def rw_release(self, key: str, owner: Owner, mode: str) -> bool:
-        store = self._store
-        with store.locked:
-            rw = self._rw(store, key, time.monotonic())
-            held = rw.side(mode).get(owner.secret)
-            if held is None:
-                store.locked.notify_all()  # an expired lease was pruned: waiters may go
-                return False
-            held.count -= 1
-            if held.count == 0:
-                if mode == "read":
-                    del rw.readers[owner.secret]
-                else:
-                    rw.writer = None
-                store.locked.notify_all()
-            return True
-
-    def rw_abandon(self, key: str, secret: str) -> None:
-        store = self._store
-        with store.locked:
-            rw = store.rw.get(key)
-            if rw is not None and rw.waiting.pop(secret, None) is not None:
-                store.locked.notify_all()  # readers it blocked may go
-
-    def rw_wait(self, key: str, mode: str, attempt: int, remaining: float | None) -> None:
-        """Sleep until a release or a change of waiters, at most ``remaining`` seconds (or the next lease's end)."""
-        store = self._store
-        with store.locked:
-            rw = self._rw(store, key, time.monotonic())
-            ends = [held.expires for held in [*rw.side("write").values(), *rw.readers.values()]]
-            ends.extend(rw.waiting.values())
-            timeout = min(ends, default=time.monotonic()) - time.monotonic()
-            timeout = max(0.001, timeout if remaining is None else min(timeout, remaining))
-            store.locked.wait(min(timeout, 1.0))
-
-    def rw_held(self) -> list[LockInfo]:
+    def _rw_held(self) -> list[LockInfo]:
         store = self._store
         with store.locked:
             now = time.monotonic()
@@ -366,24 +391,6 @@ class LocMemBackend(BaseLockBackend):
                             info = self._info(store, key, held, now)
                             found.append(dataclasses.replace(info, kind=mode, waiters=waiting))
             return found
-
-    def rw_force_release(self, key: str, token: int | None = None) -> bool:
-        store = self._store
-        with store.locked:
-            rw = store.rw.get(key)
-            if rw is None:
-                return False
-            rw.prune(time.monotonic())
-            for mode in ("write", "read"):
-                for secret, held in rw.side(mode).items():
-                    if token is None or held.token == token:
-                        if mode == "read":
-                            del rw.readers[secret]
-                        else:
-                            rw.writer = None
-                        store.locked.notify_all()
-                        return True
-            return False
 
     def expire(self, key: str) -> int | None:
         """End the lease of ``key`` now, as if its holder had not renewed it in time; return its token.

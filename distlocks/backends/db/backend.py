@@ -22,6 +22,7 @@ from distlocks.backends.db.connections import execute, in_memory, missing_databa
 from distlocks.backends.db.notify import channel
 from distlocks.backends.db.queue import POLL_FIRST, POLL_MAX, QueuedBackend, sleep
 from distlocks.backends.db.statements import sql_for
+from distlocks.backends.sides import ReadWriteSide
 from distlocks.owner import Owner
 
 if TYPE_CHECKING:
@@ -31,10 +32,77 @@ if TYPE_CHECKING:
 _NOT_QUEUED = 2**63 - 1
 
 
+class DatabaseSide(ReadWriteSide):
+    """A read-write lock's side as rows of ``ReadWriteHold`` (see ``ReadWriteSide`` and ``rw``)."""
+
+    backend: DatabaseBackend
+
+    def try_acquire(self, key: str, owner: Owner, ttl: float) -> int | None:
+        waits, lock = self.waits(key), self.lock_key(key)
+
+        def attempt(connection: BaseDatabaseWrapper) -> int | None:
+            sql = sql_for(connection)
+            return rw.acquire(connection, sql.rw, sql.lease(ttl), lock, owner, self.mode, waits)
+
+        token = self.backend._run(attempt, when_busy=None)
+        if token is None and waits:
+            self.waiting(key, owner)
+        return token
+
+    def _renew(self, key: str, owner: Owner, ttl: float, statement: str) -> bool:
+        def attempt(connection: BaseDatabaseWrapper) -> bool:
+            sql = sql_for(connection)
+            params = [sql.lease(ttl), self.lock_key(key), self.mode, owner.secret]
+            return execute(connection, getattr(sql.rw, statement), params) == 1
+
+        return self.backend._run(attempt)
+
+    def reenter(self, key: str, owner: Owner, ttl: float) -> bool:
+        return self._renew(key, owner, ttl, "reenter")
+
+    def extend(self, key: str, owner: Owner, ttl: float) -> bool:
+        return self._renew(key, owner, ttl, "extend")
+
+    def release(self, key: str, owner: Owner) -> bool:
+        def attempt(connection: BaseDatabaseWrapper) -> bool:
+            sql = sql_for(connection).rw
+            params = [self.lock_key(key), self.mode, owner.secret]
+            if execute(connection, sql.release_last, params) or execute(connection, sql.release_one, params):
+                return True
+            execute(connection, sql.drop, params)  # our expired row, if it is still there
+            return False
+
+        return self.backend._run(attempt)
+
+    def abandon(self, key: str, secret: str) -> None:
+        params = [self.lock_key(key), "waiting", secret]
+        self.backend._run(lambda connection: execute(connection, sql_for(connection).rw.drop, params))
+
+    def wait(self, key: str, attempt: int, remaining: float | None) -> None:
+        sleep(min(POLL_FIRST * 2 ** min(attempt, 5), POLL_MAX), deadline_after(remaining))  # 2**1024 is no float
+
+    def force_release(self, key: str, token: int | None = None) -> bool:
+        lock = self.lock_key(key)
+
+        def attempt(connection: BaseDatabaseWrapper) -> bool:
+            sql = sql_for(connection).rw
+            if token is None:
+                with connection.cursor() as cursor:
+                    cursor.execute(sql.holds, [lock])
+                    first = cursor.fetchone()
+                if first is None:
+                    return False
+                return execute(connection, sql.force_release, [lock, first[0]]) > 0
+            return execute(connection, sql.force_release, [lock, token]) > 0
+
+        return self.backend._run(attempt)
+
+
 class DatabaseBackend(QueuedBackend):
     """Locks as rows of ``distlocks.Lock`` in the database named by ``OPTIONS['DATABASE']``."""
 
     max_key_length = 255
+    side_class = DatabaseSide
 
     def make_key(self, name: str) -> str:
         """Return the key of ``name``; raise ValueError if a database cannot store it.
@@ -114,67 +182,6 @@ class DatabaseBackend(QueuedBackend):
         def attempt(connection: BaseDatabaseWrapper) -> bool:
             sql = sql_for(connection)
             return execute(connection, sql.extend, [sql.lease(ttl), key, owner.secret]) == 1
-
-        return self._run(attempt)
-
-    # -- read-write locks (see rw) ------------------------------------------------
-
-    rw_supported = True
-
-    def rw_acquire(self, key: str, owner: Owner, ttl: float, mode: str) -> int | None:
-        waits = self.rw_waits(key, mode)
-
-        def attempt(connection: BaseDatabaseWrapper) -> int | None:
-            return rw.acquire(
-                connection, sql_for(connection).rw, sql_for(connection).lease(ttl), key, owner, mode, waits
-            )
-
-        token = self._run(attempt, when_busy=None)
-        if token is None and waits:
-            self.rw_waiting(key, owner)
-        return token
-
-    def _rw_renew(self, key: str, owner: Owner, ttl: float, mode: str, statement: str) -> bool:
-        def attempt(connection: BaseDatabaseWrapper) -> bool:
-            sql = sql_for(connection)
-            return execute(connection, getattr(sql.rw, statement), [sql.lease(ttl), key, mode, owner.secret]) == 1
-
-        return self._run(attempt)
-
-    def rw_reenter(self, key: str, owner: Owner, ttl: float, mode: str) -> bool:
-        return self._rw_renew(key, owner, ttl, mode, "reenter")
-
-    def rw_extend(self, key: str, owner: Owner, ttl: float, mode: str) -> bool:
-        return self._rw_renew(key, owner, ttl, mode, "extend")
-
-    def rw_release(self, key: str, owner: Owner, mode: str) -> bool:
-        def attempt(connection: BaseDatabaseWrapper) -> bool:
-            sql = sql_for(connection).rw
-            params = [key, mode, owner.secret]
-            if execute(connection, sql.release_last, params) or execute(connection, sql.release_one, params):
-                return True
-            execute(connection, sql.drop, params)  # our expired row, if it is still there
-            return False
-
-        return self._run(attempt)
-
-    def rw_abandon(self, key: str, secret: str) -> None:
-        self._run(lambda connection: execute(connection, sql_for(connection).rw.drop, [key, "waiting", secret]))
-
-    def rw_wait(self, key: str, mode: str, attempt: int, remaining: float | None) -> None:
-        sleep(min(POLL_FIRST * 2 ** min(attempt, 5), POLL_MAX), deadline_after(remaining))  # 2**1024 is no float
-
-    def rw_force_release(self, key: str, token: int | None = None) -> bool:
-        def attempt(connection: BaseDatabaseWrapper) -> bool:
-            sql = sql_for(connection).rw
-            if token is None:
-                with connection.cursor() as cursor:
-                    cursor.execute(sql.holds, [key])
-                    first = cursor.fetchone()
-                if first is None:
-                    return False
-                return execute(connection, sql.force_release, [key, first[0]]) > 0
-            return execute(connection, sql.force_release, [key, token]) > 0
 
         return self._run(attempt)
 

@@ -73,7 +73,7 @@ def acquire(
     mode: str,
     waits: bool,
 ) -> int | None:
-    """One attempt at the ``mode`` side (see ``BaseLockBackend.rw_acquire``); a writer that ``waits`` is recorded."""
+    """One attempt at the ``mode`` side (see ``backends.sides.ReadWriteSide``); a writer that ``waits`` is recorded."""
     for _ in range(2):
         with transaction.atomic(using=connection.alias):
             if execute(connection, sql.lock_gate, [key]):

@@ -229,7 +229,7 @@ class RedisTurn(AsyncTurn):
         self.hint = 1.0  # how long the last attempt said to wait at most
 
     def try_acquire(self, backend: BaseLockBackend, key: str, owner: Owner, ttl: float) -> int | None:
-        # The pool thread's RedisBackend, or a read-write lock's side (rwlock) wrapping it.
+        # The pool thread's RedisBackend, or a read-write lock's side on it (RedisSide).
         redis = cast(QueuingBackend, getattr(backend, "backend", backend))
         return self.attempted(redis, redis._run(self.attempt(redis, key, owner, ttl)))
 

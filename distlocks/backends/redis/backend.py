@@ -25,6 +25,7 @@ from distlocks.backends.redis.server import (
     sets_timeout,
     without_password,
 )
+from distlocks.backends.sides import ReadWriteSide
 from distlocks.exceptions import BackendUnavailable
 from distlocks.owner import Owner
 
@@ -39,11 +40,59 @@ def _info(owner: Owner) -> str:
     return f"{int(time.time())} {owner.description}"
 
 
+class RedisSide(ReadWriteSide):
+    """A read-write lock's side: a hash of its holders and a queue (see ``ReadWriteSide`` and ``rwscripts``).
+
+    Its waiters queue as a lock's do (``RedisBackend.wait``), in the read-write lock's queue.
+    """
+
+    backend: RedisBackend
+
+    def _keys(self, key: str) -> tuple[str, str, str]:
+        return self.backend._rw_keys(self.lock_key(key))
+
+    def _call(self, script: str, key: str, args: list[Any]) -> Any:
+        return self.backend._call(script, self._keys(key), args)
+
+    def try_acquire(self, key: str, owner: Owner, ttl: float) -> int | None:
+        redis = self.backend
+        waiter = redis._waiting.get(self._keys(key)[0])
+        return redis._run(redis.rw_attempt(self.lock_key(key), owner, ttl, self.mode, waiter))
+
+    def begin_wait(self, key: str) -> None:
+        self.backend.begin_wait(self._keys(key)[0])
+
+    def wait(self, key: str, attempt: int, remaining: float | None) -> None:
+        self.backend.wait(self._keys(key)[0], attempt, remaining)
+
+    def end_wait(self, key: str, acquired: bool) -> None:
+        keys = self._keys(key)
+        self.backend._end_wait(keys[0], acquired, "rw_abandon", keys)
+
+    def async_turn(self, key: str) -> AsyncTurn:
+        from distlocks.backends.redis.aiowait import RedisTurn
+
+        return RedisTurn(self.backend, self.lock_key(key), self.mode)
+
+    def reenter(self, key: str, owner: Owner, ttl: float) -> bool:
+        return bool(self._call("rw_renew", key, [owner.secret, self.backend._ms(ttl), self.mode, 1]))
+
+    def extend(self, key: str, owner: Owner, ttl: float) -> bool:
+        return bool(self._call("rw_renew", key, [owner.secret, self.backend._ms(ttl), self.mode, 0]))
+
+    def release(self, key: str, owner: Owner) -> bool:
+        return int(self._call("rw_release", key, [owner.secret, self.mode])) >= 0
+
+    def force_release(self, key: str, token: int | None = None) -> bool:
+        return bool(self._call("rw_force_release", key, ["" if token is None else str(token)]))
+
+
 class RedisBackend(BaseLockBackend):
     """Locks as Lua-managed hashes in the Redis of a django-redis cache alias."""
 
     max_key_length = 1024
     cleanup_noun = "unused fencing counters"
+    side_class = RedisSide
 
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         super().__init__(alias, params)
@@ -271,57 +320,18 @@ class RedisBackend(BaseLockBackend):
             primitives = self._async_primitives = AsyncRedis(self)
         return primitives
 
-    # -- read-write locks (see rwscripts) ----------------------------------------
-
-    rw_supported = True
+    # -- read-write locks (their sides: RedisSide) ---------------------------------
 
     @staticmethod
     def _rw_keys(key: str) -> tuple[str, str, str]:
         """A read-write lock's hash, fencing counter and queue; the hash's name is also its slot in ``_waiting``."""
         return lock_keys(lock_hash(key) + RW_SUFFIX)
 
-    def _rw_call(self, script: str, key: str, args: list[Any]) -> Any:
-        return self._call(script, self._rw_keys(key), args)
-
-    def rw_acquire(self, key: str, owner: Owner, ttl: float, mode: str) -> int | None:
-        return self.rw_acquire_as(key, owner, ttl, mode, self._waiting.get(self._rw_keys(key)[0]))
-
-    def rw_acquire_as(self, key: str, owner: Owner, ttl: float, mode: str, waiter: Waiter | None) -> int | None:
-        """One attempt at the ``mode`` side, by ``waiter`` if it waits (a thread's, or an async task's)."""
-        return self._run(self.rw_attempt(key, owner, ttl, mode, waiter))
-
     def rw_attempt(self, key: str, owner: Owner, ttl: float, mode: str, waiter: Waiter | None) -> Attempt:
+        """One attempt at the ``mode`` side of the read-write lock ``key``, by ``waiter`` if it waits (see ``attempt``)."""
         keys = self._rw_keys(key)
         renewal: ScriptCall = ("rw_renew", keys, [owner.secret, self._ms(ttl), mode, 0])
         return self._attempt("rw_acquire", keys, [mode], keys[0], owner, ttl, waiter, renewal, mode)
-
-    def rw_async_turn(self, key: str, mode: str) -> AsyncTurn:
-        from distlocks.backends.redis.aiowait import RedisTurn
-
-        return RedisTurn(self, key, mode)
-
-    def rw_begin_wait(self, key: str, mode: str) -> None:
-        self.begin_wait(self._rw_keys(key)[0])
-
-    def rw_wait(self, key: str, mode: str, attempt: int, remaining: float | None) -> None:
-        """Wait for the side's turn in the read-write lock's queue, as ``wait`` does for a lock."""
-        self.wait(self._rw_keys(key)[0], attempt, remaining)
-
-    def rw_end_wait(self, key: str, mode: str, acquired: bool) -> None:
-        keys = self._rw_keys(key)
-        self._end_wait(keys[0], acquired, "rw_abandon", keys)
-
-    def rw_reenter(self, key: str, owner: Owner, ttl: float, mode: str) -> bool:
-        return bool(self._rw_call("rw_renew", key, [owner.secret, self._ms(ttl), mode, 1]))
-
-    def rw_extend(self, key: str, owner: Owner, ttl: float, mode: str) -> bool:
-        return bool(self._rw_call("rw_renew", key, [owner.secret, self._ms(ttl), mode, 0]))
-
-    def rw_release(self, key: str, owner: Owner, mode: str) -> bool:
-        return int(self._rw_call("rw_release", key, [owner.secret, mode])) >= 0
-
-    def rw_force_release(self, key: str, token: int | None = None) -> bool:
-        return bool(self._rw_call("rw_force_release", key, ["" if token is None else str(token)]))
 
     # -- inspection and maintenance --------------------------------------------
 

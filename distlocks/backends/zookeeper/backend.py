@@ -11,11 +11,83 @@ from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 
 from distlocks.backends.base import BaseLockBackend, LockInfo, check_positive_number
+from distlocks.backends.sides import ReadWriteSide
 from distlocks.backends.zookeeper.inspection import Inspection
 from distlocks.backends.zookeeper.nodes import escape, new_mark, new_rw_mark, queue, rw_blockers, rw_queue, sequence
 from distlocks.backends.zookeeper.session import Session, shared_session
 from distlocks.exceptions import BackendUnavailable
 from distlocks.owner import Owner
+
+
+class ZooKeeperSide(ReadWriteSide):
+    """A read-write lock's side: kazoo's ReadLock/WriteLock recipe (see ``ReadWriteSide``).
+
+    Under the lock's parent node each acquire queues an ephemeral sequential
+    node, "read-..." or "write-...". A reader holds the lock once no writer is
+    queued before it, a writer once no node is: so a writer that queued
+    blocks the readers that come after it. The write holder's reads queue as
+    "downgrade-...", held at once, and later writers wait for them too. A
+    thread's hold of one side is kept, as the lock's, under "<key>#<mode>".
+    """
+
+    backend: ZooKeeperBackend
+
+    def try_acquire(self, key: str, owner: Owner, ttl: float) -> int | None:
+        zk, lock, mode = self.backend, self.lock_key(key), self.mode
+        session = zk._session()
+        if key not in zk._queued:
+            with session.lock:
+                writing = mode == "read" and (f"{lock}#write", owner.secret) in session.held
+            zk._queued[key] = zk._create(lock, owner, new_rw_mark("downgrade" if writing else mode))
+        node, token = zk._queued[key]
+        children = rw_queue(zk._request("get_children", zk._parent(lock)))
+        mine = node.rsplit("/", 1)[1]
+        if mine not in children:
+            # Gone with a lost session: queue again, at the back.
+            node, token = zk._queued[key] = zk._create(lock, owner, new_rw_mark(mine.partition("-")[0]))
+            mine = node.rsplit("/", 1)[1]
+            children = rw_queue(zk._request("get_children", zk._parent(lock)))
+        if rw_blockers(children, mine):
+            return None
+        del zk._queued[key]
+        with session.lock:
+            session.held[key, owner.secret] = [node, 1]
+        return token
+
+    def wait(self, key: str, attempt: int, remaining: float | None) -> None:
+        """Wait for the deletion of the last node that keeps ours waiting (at most ``remaining`` seconds)."""
+        zk, lock = self.backend, self.lock_key(key)
+        queued = zk._queued.get(key)
+        if queued is None:
+            return
+        children = rw_queue(zk._request("get_children", zk._parent(lock)))
+        mine = queued[0].rsplit("/", 1)[1]
+        if mine not in children:
+            return  # gone with a lost session: the next attempt queues again
+        blockers = rw_blockers(children, mine)
+        if blockers:
+            zk._wait_gone(f"{zk._parent(lock)}/{blockers[-1]}", remaining)
+
+    def begin_wait(self, key: str) -> None:
+        """Nothing to record: a writer's queued node is what keeps later readers waiting."""
+
+    def end_wait(self, key: str, acquired: bool) -> None:
+        self.backend.end_wait(key, acquired)
+
+    def reenter(self, key: str, owner: Owner, ttl: float) -> bool:
+        return self.backend.reenter(key, owner, ttl)
+
+    def release(self, key: str, owner: Owner) -> bool:
+        return self.backend.release(key, owner)
+
+    def extend(self, key: str, owner: Owner, ttl: float) -> bool:
+        return self.backend.extend(key, owner, ttl)
+
+    def drop(self, key: str, owner: Owner) -> bool:
+        return self.backend.drop(key, owner)
+
+    def force_release(self, key: str, token: int | None = None) -> bool:
+        return self.backend._inspection.rw_force_release(self.lock_key(key), token)
 
 
 class ZooKeeperBackend(BaseLockBackend):
@@ -24,6 +96,7 @@ class ZooKeeperBackend(BaseLockBackend):
     max_key_length = 1024
     cleanup_noun = "empty lock nodes"
     session_bound = True
+    side_class = ZooKeeperSide
 
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         super().__init__(alias, params)
@@ -287,73 +360,6 @@ class ZooKeeperBackend(BaseLockBackend):
                 return value
             except (NoNodeError, BadVersionError):
                 continue  # deleted or written meanwhile: look again
-
-    # -- read-write locks: kazoo's ReadLock/WriteLock recipe --------------------
-    #
-    # Under the lock's parent node each acquire queues an ephemeral sequential
-    # node, "read-..." or "write-...". A reader holds the lock once no writer is
-    # queued before it, a writer once no node is: so a writer that queued
-    # blocks the readers that come after it. The write holder's reads queue as
-    # "downgrade-...", held at once, and later writers wait for them too. A
-    # thread's hold of one side is kept, as the lock's, under "<key>#<mode>".
-
-    rw_supported = True
-
-    def rw_acquire(self, key: str, owner: Owner, ttl: float, mode: str) -> int | None:
-        hold = f"{key}#{mode}"
-        session = self._session()
-        if hold not in self._queued:
-            with session.lock:
-                writing = mode == "read" and (f"{key}#write", owner.secret) in session.held
-            self._queued[hold] = self._create(key, owner, new_rw_mark("downgrade" if writing else mode))
-        node, token = self._queued[hold]
-        children = rw_queue(self._request("get_children", self._parent(key)))
-        mine = node.rsplit("/", 1)[1]
-        if mine not in children:
-            # Gone with a lost session: queue again, at the back.
-            node, token = self._queued[hold] = self._create(key, owner, new_rw_mark(mine.partition("-")[0]))
-            mine = node.rsplit("/", 1)[1]
-            children = rw_queue(self._request("get_children", self._parent(key)))
-        if rw_blockers(children, mine):
-            return None
-        del self._queued[hold]
-        with session.lock:
-            session.held[hold, owner.secret] = [node, 1]
-        return token
-
-    def rw_wait(self, key: str, mode: str, attempt: int, remaining: float | None) -> None:
-        """Wait for the deletion of the last node that keeps ours waiting (at most ``remaining`` seconds)."""
-        queued = self._queued.get(f"{key}#{mode}")
-        if queued is None:
-            return
-        children = rw_queue(self._request("get_children", self._parent(key)))
-        mine = queued[0].rsplit("/", 1)[1]
-        if mine not in children:
-            return  # gone with a lost session: the next attempt queues again
-        blockers = rw_blockers(children, mine)
-        if blockers:
-            self._wait_gone(f"{self._parent(key)}/{blockers[-1]}", remaining)
-
-    def rw_begin_wait(self, key: str, mode: str) -> None:
-        """Nothing to record: a writer's queued node is what keeps later readers waiting."""
-
-    def rw_end_wait(self, key: str, mode: str, acquired: bool) -> None:
-        self.end_wait(f"{key}#{mode}", acquired)
-
-    def rw_reenter(self, key: str, owner: Owner, ttl: float, mode: str) -> bool:
-        return self.reenter(f"{key}#{mode}", owner, ttl)
-
-    def rw_release(self, key: str, owner: Owner, mode: str) -> bool:
-        return self.release(f"{key}#{mode}", owner)
-
-    def rw_extend(self, key: str, owner: Owner, ttl: float, mode: str) -> bool:
-        return self.extend(f"{key}#{mode}", owner, ttl)
-
-    def rw_drop(self, key: str, owner: Owner, mode: str) -> bool:
-        return self.drop(f"{key}#{mode}", owner)
-
-    def rw_force_release(self, key: str, token: int | None = None) -> bool:
-        return self._inspection.rw_force_release(key, token)
 
     # -- inspection and maintenance (see inspection) -----------------------------
 
