@@ -204,11 +204,9 @@ def voided():
 def timed_out_acquire(server, lk, call="acquire"):
     """Send ``lk``'s acquire (or ``take_detached``) to the frozen ``server``: the client gives up after its
     0.5 s socket timeout, and the server runs the script once it goes on."""
+    send = (lambda: lk.acquire(wait=0)) if call == "acquire" else (lambda: lk.take_detached(30))
     with frozen(server), pytest.raises(distlocks.BackendUnavailable):
-        if call == "acquire":
-            lk.acquire(wait=0)
-        else:
-            lk.take_detached(30)
+        send()
 
 
 def taken_elsewhere(name, wait):
