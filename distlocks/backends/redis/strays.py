@@ -7,11 +7,11 @@ it would take the lock for an owner that was told it did not get it, and hold
 it, renewed by nobody, until its lease ran out. So every acquire carries an id
 of its own, which the hash of a lock it takes (or is handed over) shows, and
 an acquire whose call raised anything but the server's own error is voided
-(the ``VOID`` script) by a thread of this process, again and again until the
-server answers. Voiding gives back what the attempt took, if it ran and nobody
-took the lock anew or re-entered it since, and makes it do nothing if it runs
-later (the server remembers the id for its lease plus a minute). It never
-touches a hold the owner had before, nor anyone else's.
+(the ``VOID`` script) by a thread of this process, one per server, again and
+again until the server answers. Voiding gives back what the attempt took, if
+it ran and nobody took the lock anew or re-entered it since, and makes it do
+nothing if it runs later (the server remembers the id for its lease plus a
+minute). It never touches a hold the owner had before, nor anyone else's.
 """
 
 from __future__ import annotations
@@ -66,73 +66,68 @@ class Stray:
 
 
 class Voids:
-    """This process's strays, voided in order by one daemon thread started on demand."""
+    """One server's strays (one connection pool's), voided in order by a daemon thread that runs while any is pending.
+
+    A server that does not answer holds up its own strays only.
+    """
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.pending: list[Stray] = []
         self.wake = threading.Event()
         self.thread: threading.Thread | None = None
-        self.voided = 0  # how many were voided (the server answered), for tests and logs
 
     def add(self, stray: Stray) -> None:
         with self.lock:
             self.pending.append(stray)
-            if self.thread is None or not self.thread.is_alive():
+            if self.thread is None:
                 self.thread = threading.Thread(target=self._loop, name="distlocks-redis-voids", daemon=True)
                 self.thread.start()
         self.wake.set()
 
     def _loop(self) -> None:
         while True:
-            self.wake.wait()
-            self.wake.clear()
             try:
-                while self._round():
-                    self.wake.wait(RETRY_INTERVAL)
-                    self.wake.clear()
-            except Exception:  # a daemon thread: log, and carry on at the next wake-up
+                self._round()
+            except Exception:  # a daemon thread: log, and try again later
                 logger.exception("distlocks: unexpected error while voiding lost acquires")
-                self.wake.set()
-                time.sleep(RETRY_INTERVAL)
+            with self.lock:
+                if not self.pending:
+                    self.thread = None
+                    return
+            self.wake.wait(RETRY_INTERVAL)
+            self.wake.clear()
 
-    def _round(self) -> bool:
-        """Void what can be voided now; return whether any is left for later.
-
-        A server that does not answer holds up its own strays only, and is
-        asked once per round: the others behind the first wait for the next.
-        """
+    def _round(self) -> None:
+        """Void the strays in order, until the server does not answer (the rest wait for the next round)."""
         with self.lock:
             strays = list(self.pending)
-        unreachable: set[int] = set()
-        done = []
         for stray in strays:
-            if id(stray.client) in unreachable:
-                continue
             try:
                 released = registered(stray.client)["void"](keys=stray.keys, args=stray.args)
             except connection_errors() as exc:
                 if time.monotonic() - stray.since < GIVE_UP:
-                    unreachable.add(id(stray.client))
-                    continue
+                    return
                 logger.warning("Gave up voiding an acquire of %s whose answer was lost: %s", stray.keys[0], exc)
             except Exception as exc:
                 logger.warning("Could not void an acquire of %s whose answer was lost: %s", stray.keys[0], exc)
             else:
-                self.voided += 1
                 if released:
                     logger.info("Gave back %s, taken by an acquire whose answer was lost", stray.keys[0])
-            done.append(stray)
-        with self.lock:
-            self.pending = [stray for stray in self.pending if stray not in done]
-            return bool(self.pending)
+            with self.lock:
+                self.pending.remove(stray)
 
 
-_voids = Voids()
+# Each server's strays, by its connection pool (django-redis shares one per server among threads).
+_voids: dict[Any, Voids] = {}
+_voids_lock = threading.Lock()
 
 
-def voids() -> Voids:
-    return _voids
+def pending() -> list[Stray]:
+    """The strays not voided yet, of every server."""
+    with _voids_lock:
+        servers = list(_voids.values())
+    return [stray for voids in servers for stray in list(voids.pending)]
 
 
 def unanswered(
@@ -158,15 +153,16 @@ def unanswered(
     except Exception as exc:  # no client to void it on: its lease ends it
         logger.warning("Cannot void an acquire of %s whose answer was lost: %s", keys[0], exc)
     else:
-        _voids.add(stray)
+        with _voids_lock:
+            voids = _voids.setdefault(getattr(stray.client, "connection_pool", stray.client), Voids())
+        voids.add(stray)
     return unreachable
 
 
 def _reset_after_fork() -> None:
     """A forked child voids nothing of its parent's (the parent does), and draws ids of its own."""
-    global _voids, _ids
-    _voids = Voids()
-    _ids = _Ids()
+    global _voids, _voids_lock, _ids
+    _voids, _voids_lock, _ids = {}, threading.Lock(), _Ids()
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)
