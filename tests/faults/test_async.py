@@ -113,3 +113,20 @@ def test_a_task_on_a_frozen_redis_gets_backend_unavailable_in_bounded_time_witho
     monkeypatch.setattr(aio, "_pool", aio._Pool())  # a pool of its own, started by the first call it runs
     asyncio.run(main())
     assert aio._pool.executor is None, "a call went through the thread pool"
+
+
+def test_a_tasks_acquire_run_after_it_timed_out_does_not_keep_the_lock_for_its_ttl(own_redis, name):
+    """The script the task gave up on runs once the server goes on: the lock is given back, not held for 30 s."""
+    server = own_redis(REDIS_PORT + 63, SOCKET_CONNECT_TIMEOUT=1, SOCKET_TIMEOUT=0.5)
+
+    async def main():
+        lk = distlocks.alock(name, using="own", ttl=30)
+        assert await lk.acquire(wait=0)  # a connection is open: the frozen server's kernel takes the request
+        await lk.release()
+        with frozen(server), pytest.raises(distlocks.BackendUnavailable):
+            await lk.acquire(wait=0)
+        other = distlocks.alock(name, using="own", ttl=30)
+        assert await other.acquire(wait=5)  # before the fix: only after the 30 s lease
+        await other.release()
+
+    asyncio.run(main())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from io import StringIO
 
@@ -12,11 +13,13 @@ from django_redis import get_redis_connection
 from redis.crc import key_slot
 
 import distlocks
+from distlocks.backends.redis import strays
+from distlocks.backends.redis.keys import lock_hash
 from distlocks.checks import check_distlocks
 from distlocks.handler import locks
 from localservers import REDIS_PORT
 from tests.conftest import DB, Holder
-from tests.faults.conftest import free_elsewhere
+from tests.faults.conftest import free_elsewhere, frozen
 
 pytestmark = [DB, pytest.mark.servers("redis")]
 
@@ -189,3 +192,85 @@ def test_a_waiter_paused_past_its_handed_over_lease_does_not_take_the_lock_from_
     event, token = waiter.line()
     assert event == "acquired"
     assert int(token) > next_holder.token
+
+
+def voided(name):
+    """Wait until this process has voided every acquire of ``name`` whose answer it lost (the server answered)."""
+    lock_name = lock_hash(locks["own"].make_key(name))
+    deadline = time.monotonic() + 30
+    while any(stray.keys[0] == lock_name for stray in strays.pending()):
+        assert time.monotonic() < deadline, "the lost acquires were not voided"
+        time.sleep(0.02)
+
+
+def timed_out_acquire(server, lk, call="acquire"):
+    """Send ``lk``'s acquire (or ``take_detached``) to the frozen ``server``: the client gives up after its
+    0.5 s socket timeout, and the server runs the script once it goes on."""
+    send = (lambda: lk.acquire(wait=0)) if call == "acquire" else (lambda: lk.take_detached(30))
+    with frozen(server), pytest.raises(distlocks.BackendUnavailable):
+        send()
+
+
+def taken_elsewhere(name, wait):
+    """Whether another thread (another owner) takes the lock within ``wait`` seconds; it gives it back."""
+    result = []
+
+    def take():
+        other = distlocks.lock(name, using="own", ttl=30)
+        result.append(other.acquire(wait=wait))
+        if result[0]:
+            other.release()
+
+    thread = threading.Thread(target=take)
+    thread.start()
+    thread.join(wait + 30)
+    return result[0]
+
+
+def test_an_acquire_run_after_its_client_gave_up_does_not_keep_the_lock_for_its_ttl(own_redis, name, caplog):
+    server = own_redis(REDIS_PORT + 60, SOCKET_CONNECT_TIMEOUT=1, SOCKET_TIMEOUT=0.5)
+    lk = distlocks.lock(name, using="own", ttl=30)
+    with lk:
+        pass  # its connection is open: the frozen server's kernel takes the request, run when the server goes on
+    with caplog.at_level(logging.INFO, logger="distlocks.backends.redis"):
+        timed_out_acquire(server, lk)
+        assert lk.hold_count == 0
+        # Before the fix, the script took the lock for 30 s for an owner told it did not get it.
+        assert taken_elsewhere(name, wait=5)
+        voided(name)
+    assert "taken by an acquire whose answer was lost" in caplog.text  # it ran, and was given back
+    assert lk.acquire(wait=0)  # the same owner too
+    lk.release()
+
+
+def test_a_lost_acquire_leaves_the_hold_its_owner_had_already(own_redis, name):
+    """The same owner held the lock (re-entrant, or detached): the acquire it lost found it held, and its void
+    leaves the hold, with its count and token."""
+    server = own_redis(REDIS_PORT + 61, SOCKET_CONNECT_TIMEOUT=1, SOCKET_TIMEOUT=0.5)
+    lk = distlocks.lock(name, using="own", ttl=30)
+    assert lk.acquire(wait=0)
+    lk.acquire()  # held twice
+    token = lk.token
+    timed_out_acquire(server, lk, call="take_detached")  # the same owner's acquire script
+    voided(name)
+    holder = lk.holder()
+    assert (holder.token, holder.hold_count) == (token, 2)
+    assert not taken_elsewhere(name, wait=0)
+    lk.release()
+    assert not taken_elsewhere(name, wait=0)
+    lk.release()  # no LockLost: the hold was never taken away
+    assert taken_elsewhere(name, wait=0)
+
+
+def test_a_lost_acquire_leaves_another_owners_hold(own_redis, name):
+    server = own_redis(REDIS_PORT + 62, SOCKET_CONNECT_TIMEOUT=1, SOCKET_TIMEOUT=0.5)
+    holder = Holder(name, "own", ttl=30)
+    lk = distlocks.lock(name, using="own", ttl=30)
+    assert not lk.acquire(wait=0)  # opens the connection
+    timed_out_acquire(server, lk)
+    voided(name)
+    assert lk.holder().token == holder.token
+    assert not lk.acquire(wait=0)
+    assert holder.release() is None  # released, not lost
+    assert lk.acquire(wait=0)
+    lk.release()

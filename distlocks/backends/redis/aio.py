@@ -16,10 +16,11 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 from distlocks.backends.base import AsyncTurn
+from distlocks.backends.redis import strays
 from distlocks.backends.redis.aiowait import LoopReleases, QueuingBackend, RedisTurn, loop_releases
 from distlocks.backends.redis.keys import lock_hash
 from distlocks.backends.redis.scripts import Attempt, registered
-from distlocks.backends.redis.server import connection_errors, inspected, policy_of
+from distlocks.backends.redis.server import inspected, policy_of
 from distlocks.exceptions import BackendUnavailable
 from distlocks.owner import Owner
 
@@ -40,8 +41,10 @@ class AsyncRedis:
             if self.server not in inspected:
                 await self._inspect(client)
             return await registered(client)[script](keys=keys, args=args)
-        except connection_errors() as exc:
-            raise self.backend._unavailable(exc) from exc
+        except BaseException as exc:  # a cancelled task's too: its acquire may run yet, and is voided
+            if strays.unanswered(exc, script, keys, args, lambda: self.backend.client):
+                raise self.backend._unavailable(exc) from exc
+            raise
 
     async def _inspect(self, client: Any) -> None:
         """The loop's look at the eviction policy, as ``RedisBackend._inspect`` (a connection error propagates)."""

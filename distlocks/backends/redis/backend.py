@@ -13,9 +13,9 @@ from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 
 from distlocks.backends.base import AsyncPrimitives, AsyncTurn, BaseLockBackend, LockInfo
-from distlocks.backends.redis import listing
+from distlocks.backends.redis import listing, strays
 from distlocks.backends.redis.handover import Releases, Waiter, releases_for
-from distlocks.backends.redis.keys import RW_SUFFIX, lock_hash, lock_keys
+from distlocks.backends.redis.keys import RW_SUFFIX, acquire_keys, lock_hash, lock_keys
 from distlocks.backends.redis.scripts import Attempt, ScriptCall, registered
 from distlocks.backends.redis.server import (
     TIMEOUTS,
@@ -97,8 +97,7 @@ class RedisBackend(BaseLockBackend):
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         super().__init__(alias, params)
         self.cache: str = self.options.get("CACHE", "default")
-        # This thread's waits (backend instances are per thread): the release
-        # event per key, and how long the last failed attempt said to wait.
+        # This thread's waits (instances are per thread): each key's waiter, and how long the last attempt said to wait.
         self._waiting: dict[str, Waiter] = {}
         self._wait_hint: dict[str, float] = {}
         self._client_scripts: dict[str, Any] | None = None
@@ -146,8 +145,10 @@ class RedisBackend(BaseLockBackend):
             scripts = self._client_scripts = registered(client)
         try:
             return scripts[script](keys=keys, args=args)
-        except connection_errors() as exc:
-            raise self._unavailable(exc) from exc
+        except BaseException as exc:
+            if strays.unanswered(exc, script, keys, args, lambda: self.client):  # an acquire is voided
+                raise self._unavailable(exc) from exc
+            raise
 
     def _hash(self, key: str) -> str:
         return lock_hash(key)
@@ -169,7 +170,7 @@ class RedisBackend(BaseLockBackend):
     def attempt(self, key: str, owner: Owner, ttl: float, waiter: Waiter | None) -> Attempt:
         """The steps of one attempt at the lock ``key`` (see ``_attempt``)."""
         renewal: ScriptCall = ("extend", [self._hash(key)], [owner.secret, self._ms(ttl)])
-        return self._attempt("acquire", self._keys(key), [], key, owner, ttl, waiter, renewal)
+        return self._attempt("acquire", acquire_keys(key), [strays.attempt_id()], key, owner, ttl, waiter, renewal)
 
     def _run(self, attempt: Attempt) -> int | None:
         """Run an attempt's script calls in the calling thread."""

@@ -36,3 +36,10 @@ def key_of(name: str) -> str:
 def lock_keys(name: str) -> tuple[str, str, str]:
     """A lock's hash, fencing counter and waiters' queue, from the hash's name."""
     return name, f"{name}:fence", f"{name}:queue"
+
+
+@functools.lru_cache(maxsize=4096)  # built at every acquire
+def acquire_keys(key: str) -> tuple[str, str, str, str]:
+    """The keys of the lock ``key`` as its acquire script gets them: ``lock_keys`` and the attempts voided (``strays``)."""
+    name = lock_hash(key)
+    return (*lock_keys(name), f"{name}:void")
