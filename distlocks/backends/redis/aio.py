@@ -16,10 +16,11 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 from distlocks.backends.base import AsyncTurn
-from distlocks.backends.redis.aiowait import LoopReleases, QueuingBackend, RedisTurn, loop_releases
-from distlocks.backends.redis.keys import lock_hash
+from distlocks.backends.redis.aiowait import LoopReleases, RedisTurn, loop_releases
+from distlocks.backends.redis.keys import keys_of_lock, keys_of_read_write_lock, lock_hash
+from distlocks.backends.redis.protocol import QueuingBackend
 from distlocks.backends.redis.scripts import Attempt, registered
-from distlocks.backends.redis.server import connection_errors, inspected, policy_of
+from distlocks.backends.redis.server import connection_errors, inspected, lease_ms, policy_of
 from distlocks.exceptions import BackendUnavailable
 from distlocks.owner import Owner
 
@@ -41,7 +42,7 @@ class AsyncRedis:
                 await self._inspect(client)
             return await registered(client)[script](keys=keys, args=args)
         except connection_errors() as exc:
-            raise self.backend._unavailable(exc) from exc
+            raise self.backend.unavailable(exc) from exc
 
     async def _inspect(self, client: Any) -> None:
         """The loop's look at the eviction policy, as ``RedisBackend._inspect`` (a connection error propagates)."""
@@ -72,12 +73,12 @@ class AsyncRedis:
         waiter = redis_turn.waiter
         if turn.end(acquired) is None or waiter is None:
             return
-        keys = self.backend._rw_keys(redis_turn.key) if redis_turn.mode else self.backend._keys(redis_turn.key)
+        keys = keys_of_read_write_lock(redis_turn.key) if redis_turn.mode else keys_of_lock(redis_turn.key)
         with contextlib.suppress(BackendUnavailable):
             await self._call("rw_abandon" if redis_turn.mode else "abandon", keys, [waiter.id, waiter.entry])
 
     async def reenter(self, key: str, owner: Owner, ttl: float) -> bool:
-        return bool(await self._call("reenter", [lock_hash(key)], [owner.secret, self.backend._ms(ttl)]))
+        return bool(await self._call("reenter", [lock_hash(key)], [owner.secret, lease_ms(ttl)]))
 
     async def release(self, key: str, owner: Owner) -> bool:
-        return int(await self._call("release", self.backend._keys(key), [owner.secret])) >= 0
+        return int(await self._call("release", keys_of_lock(key), [owner.secret])) >= 0

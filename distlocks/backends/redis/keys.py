@@ -36,3 +36,16 @@ def key_of(name: str) -> str:
 def lock_keys(name: str) -> tuple[str, str, str]:
     """A lock's hash, fencing counter and waiters' queue, from the hash's name."""
     return name, f"{name}:fence", f"{name}:queue"
+
+
+def keys_of_lock(key: str) -> tuple[str, str, str]:
+    """The hash, fencing counter and waiters' queue of the lock ``key``."""
+    return lock_keys(lock_hash(key))
+
+
+def keys_of_read_write_lock(key: str) -> tuple[str, str, str]:
+    """The hash, fencing counter and waiters' queue of the read-write lock ``key`` (both its sides).
+
+    The hash's name is also the slot of the lock's waits (``RedisBackend.waiter``).
+    """
+    return lock_keys(lock_hash(key) + RW_SUFFIX)
