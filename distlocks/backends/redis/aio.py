@@ -12,7 +12,7 @@ lease keeps its locks.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from distlocks.backends.base import AsyncTurn
@@ -82,3 +82,24 @@ class AsyncRedis:
 
     async def release(self, key: str, owner: Owner) -> bool:
         return int(await self._call("release", keys_of_lock(key), [owner.secret])) >= 0
+
+
+class AsyncRedisSide(AsyncRedis):
+    """A read-write lock's side (``RedisSide``) as coroutines: its scripts on the same loop's client.
+
+    Its attempts and their end are the lock's (a side's turn names its mode);
+    re-entry and release are the side's scripts on the read-write lock's keys.
+    """
+
+    def __init__(self, backend: QueuingBackend, mode: str, lock_key: Callable[[str], str]) -> None:
+        super().__init__(backend)
+        self.mode = mode
+        self.lock_key = lock_key  # the read-write lock's key of a side's key
+
+    async def reenter(self, key: str, owner: Owner, ttl: float) -> bool:
+        keys = keys_of_read_write_lock(self.lock_key(key))
+        return bool(await self._call("rw_renew", keys, [owner.secret, lease_ms(ttl), self.mode, 1]))
+
+    async def release(self, key: str, owner: Owner) -> bool:
+        keys = keys_of_read_write_lock(self.lock_key(key))
+        return int(await self._call("rw_release", keys, [owner.secret, self.mode])) >= 0

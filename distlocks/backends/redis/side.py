@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, cast
 
-from distlocks.backends.base import AsyncTurn, BaseLockBackend
+from distlocks.backends.base import AsyncPrimitives, AsyncTurn, BaseLockBackend
 from distlocks.backends.redis.keys import keys_of_read_write_lock
 from distlocks.backends.redis.protocol import QueuingBackend
 from distlocks.backends.redis.server import lease_ms
@@ -26,6 +26,7 @@ class RedisSide(ReadWriteSide):
     def __init__(self, backend: BaseLockBackend, mode: str) -> None:  # noqa: D107
         super().__init__(backend, mode)
         self.redis = cast(QueuingBackend, backend)
+        self._async_primitives: AsyncPrimitives | None = None
 
     def _keys(self, key: str) -> tuple[str, str, str]:
         return keys_of_read_write_lock(self.lock_key(key))
@@ -52,6 +53,15 @@ class RedisSide(ReadWriteSide):
         from distlocks.backends.redis.aiowait import RedisTurn
 
         return RedisTurn(self.redis, self.lock_key(key), self.mode)
+
+    def async_primitives(self) -> AsyncPrimitives:
+        """The side's scripts as coroutines on the event loop's ``redis.asyncio`` client (see ``redis.aio``)."""
+        primitives = self._async_primitives
+        if primitives is None:
+            from distlocks.backends.redis.aio import AsyncRedisSide
+
+            primitives = self._async_primitives = AsyncRedisSide(self.redis, self.mode, self.lock_key)
+        return primitives
 
     def reenter(self, key: str, owner: Owner, ttl: float) -> bool:
         return bool(self._call("rw_renew", key, [owner.secret, lease_ms(ttl), self.mode, 1]))
