@@ -263,6 +263,8 @@ class AsyncDistributedLock(AsyncLockAPI):
     async def _attempt(self, state: _TaskState, native: AsyncPrimitives, called: float, turn: AsyncTurn) -> bool:
         """One attempt on the loop, as ``DistributedLock._acquire(0)`` in a thread (failures told by the caller)."""
         lock = self.lock
+        with state.acting():
+            lock._may_acquire()
         hold = state.holds.get((lock.alias, lock.key))
         if hold is not None:
             await run_steps(state, lock._reenter(hold))

@@ -10,6 +10,7 @@ import pytest
 
 import distlocks
 from distlocks.aio import POOL_SIZE
+from distlocks.backends.redis.keys import keys_of_read_write_lock
 from distlocks.handler import locks
 from distlocks.inspection import held_locks, holder
 
@@ -342,7 +343,7 @@ def test_tasks_in_several_processes_exclude_each_other_as_the_kind_says(
 @pytest.mark.parametrize("alias", ["redis"], indirect=True)
 def test_on_redis_a_waiting_writer_task_joins_the_queue_and_cancelling_it_takes_it_out(alias, leave_nothing, name):
     rw = distlocks.aread_write_lock(name, using=alias)
-    client, queue = locks[alias].client, locks[alias]._rw_keys(rw.rw.key)[2]
+    client, queue = locks[alias].client, keys_of_read_write_lock(rw.rw.key)[2]
 
     async def main():
         reader = Holder(name, alias, lock=distlocks.read_write_lock(name, using=alias).read())

@@ -474,7 +474,7 @@ def _lost_attempt_scripts(name):
     """The lock's acquire keys, a call of the alias's scripts, and an owner's secret: attempts whose answer is lost."""
     backend = locks["redis"]
     keys = acquire_keys(backend.make_key(name))
-    return keys, lambda script, args: backend._call(script, keys, args), current_owner().secret
+    return keys, lambda script, args: backend.call(script, keys, args), current_owner().secret
 
 
 def test_an_acquire_voided_before_it_runs_takes_nothing(name):

@@ -14,7 +14,7 @@ from redis.crc import key_slot
 
 import distlocks
 from distlocks.backends.redis import strays
-from distlocks.backends.redis.keys import lock_hash
+from distlocks.backends.redis.keys import keys_of_lock, lock_hash
 from distlocks.checks import check_distlocks
 from distlocks.handler import locks
 from localservers import REDIS_PORT
@@ -50,7 +50,7 @@ def test_tokens_keep_increasing_when_redis_restarts_from_a_stale_snapshot(own_re
     server.process = None
     server.start()
     client = get_redis_connection("own")
-    fence = locks["own"]._keys(locks["own"].make_key(name))[1]
+    fence = keys_of_lock(locks["own"].make_key(name))[1]
     assert int(client.get(fence)) < max(tokens)  # the counter came back, stale
     assert take(name) > max(tokens)
 
@@ -141,7 +141,7 @@ def test_every_name_is_a_lock_of_its_own_in_one_cluster_slot(own_redis):
         client, backend = get_redis_connection("own"), locks["own"]
         for lk in held:
             assert not free_elsewhere(lk.name, "own")  # each is taken
-            lock_hash, fence, queue = backend._keys(lk.key)
+            lock_hash, fence, queue = keys_of_lock(lk.key)
             assert client.exists(lock_hash, fence) == 2
             assert key_slot(lock_hash.encode()) == key_slot(fence.encode()) == key_slot(queue.encode())
         assert len({lk.token for lk in held}) == len(names)

@@ -10,6 +10,7 @@ import pytest
 from django_redis import get_redis_connection
 
 import distlocks
+from distlocks.backends.redis.keys import keys_of_lock
 from distlocks.backends.redlock import NODE_DEADLINE_SHARE
 from distlocks.handler import locks
 from distlocks.owner import current_owner
@@ -176,7 +177,7 @@ def test_tokens_keep_increasing_when_the_majority_changes(nodes, name, ahead):
     thaw(0)
     if ahead:
         # The counter of a node whose clock runs ``ahead`` seconds fast (tokens never go below the clock).
-        fence = backend.nodes[0]._keys(key)[1]
+        fence = keys_of_lock(key)[1]
         nodes.client(0).set(fence, (time.time_ns() // 1000) + ahead * 1_000_000)
     nodes.freeze(3, 4)
     take(20)  # only {0, 1, 2}: node 0's counter started later (or runs ahead)

@@ -43,3 +43,16 @@ def acquire_keys(key: str) -> tuple[str, str, str, str]:
     """The keys of the lock ``key`` as its acquire script gets them: ``lock_keys`` and the attempts voided (``strays``)."""
     name = lock_hash(key)
     return (*lock_keys(name), f"{name}:void")
+
+
+def keys_of_lock(key: str) -> tuple[str, str, str]:
+    """The hash, fencing counter and waiters' queue of the lock ``key``."""
+    return lock_keys(lock_hash(key))
+
+
+def keys_of_read_write_lock(key: str) -> tuple[str, str, str]:
+    """The hash, fencing counter and waiters' queue of the read-write lock ``key`` (both its sides).
+
+    The hash's name is also the slot of the lock's waits (``RedisBackend.waiter``).
+    """
+    return lock_keys(lock_hash(key) + RW_SUFFIX)
