@@ -19,7 +19,7 @@ from distlocks.checks import check_distlocks
 from distlocks.handler import locks
 from localservers import REDIS_PORT
 from tests.conftest import DB, Holder
-from tests.faults.conftest import free_elsewhere, frozen
+from tests.faults.conftest import FreezableProxy, free_elsewhere, frozen
 
 pytestmark = [DB, pytest.mark.servers("redis")]
 
@@ -274,3 +274,50 @@ def test_a_lost_acquire_leaves_another_owners_hold(own_redis, name):
     assert holder.release() is None  # released, not lost
     assert lk.acquire(wait=0)
     lk.release()
+
+
+def test_a_lost_acquire_that_redis_py_sends_again_takes_what_its_first_run_took(own_redis, settings, name):
+    """A cache whose connections retry on a timeout (``retry_on_timeout``, a ``Retry``) sends the acquire script
+    again, with the same attempt id, when its answer was lost. The first run took the lock: the second one must
+    say so, or the owner is told it did not get the lock, nothing is voided (no error was raised), and the first
+    run's hold keeps the lock from everyone for its ttl."""
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    server = own_redis(
+        REDIS_PORT + 63,
+        SOCKET_CONNECT_TIMEOUT=1,
+        SOCKET_TIMEOUT=0.5,
+        CONNECTION_POOL_KWARGS={"retry": Retry(NoBackoff(), 1)},
+    )
+    proxy = FreezableProxy(server.port)
+    settings.CACHES = {
+        **settings.CACHES,
+        "own": {**settings.CACHES["own"], "LOCATION": f"redis://127.0.0.1:{proxy.port}/0"},
+    }
+    try:
+        lk = distlocks.lock(name, using="own", ttl=30)
+        with lk:
+            pass  # a connection open through the proxy
+        connections = len(proxy.sockets)
+
+        def thaw_at_the_retry():
+            # The answer is lost (0.5 s socket timeout): redis-py reconnects to send the script again.
+            deadline = time.monotonic() + 10
+            while len(proxy.sockets) == connections and time.monotonic() < deadline:
+                time.sleep(0.01)
+            proxy.flowing.set()
+
+        proxy.flowing.clear()
+        thawing = threading.Thread(target=thaw_at_the_retry)
+        thawing.start()
+        acquired = lk.acquire(wait=0)
+        thawing.join(15)
+        assert len(proxy.sockets) > connections, "redis-py did not retry"
+        # Before the fix: the second run found the lock held (by the first) and said "not acquired".
+        assert acquired
+        assert not taken_elsewhere(name, wait=0)
+        lk.release()
+        assert taken_elsewhere(name, wait=0)
+    finally:
+        proxy.close()

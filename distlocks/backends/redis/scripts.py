@@ -91,8 +91,10 @@ if redis.call('EXISTS', KEYS[1]) == 0 then
 end
 local lease_left = redis.call('PTTL', KEYS[1])
 if lease_left < 1 then lease_left = lease_left < 0 and 1000 or 1 end  -- no lease (set by hand): look again in 1 s
+local attempt, granted, token = unpack(redis.call('HMGET', KEYS[1], 'attempt', 'granted', 'token'))
+-- This attempt ran already (the client's driver sent it again when its answer was lost): what it took is its.
+if attempt == ARGV[1] then return tonumber(token) end
 if not ARGV[5] then return -lease_left end
-local granted, token = unpack(redis.call('HMGET', KEYS[1], 'granted', 'token'))
 if granted == string.match(ARGV[5], '^[^|]*|([^|]*)|') then
   -- Handed to this waiter by a release whose message it has not read yet.
   redis.call('HDEL', KEYS[1], 'granted')
