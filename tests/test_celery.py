@@ -96,7 +96,7 @@ def celery_workers():
 
 
 @pytest.fixture(scope="module")
-def pair(django_db_setup):
+def pair(django_db_setup, redis_servers):  # the broker is the tests' Redis: up before the workers
     """Two workers of two processes each, shared by the tests that neither kill nor configure them."""
     started = [CeleryWorker(2), CeleryWorker(2)]
     yield started
@@ -285,6 +285,23 @@ def test_dedupe_at_enqueue_returns_the_queued_tasks_result(celery_workers, log, 
     assert again.id != first.id
     again.get(timeout=30)
     assert len(events(log)) == 6  # first, other, again: the duplicates never ran
+
+
+
+def test_a_running_tasks_dedupe_marker_is_renewed_past_its_ttl(celery_workers, log, name):
+    """The marker of a task that runs longer than its lock_ttl (5 s) stays: a send then still returns the running task."""
+    queue = f"q-{name}"
+    first = deduped.apply_async((name, log, 8.0), queue=queue)
+    celery_workers(1, 2, "-Q", queue)
+    wait_until(lambda: held("redis", f"dedupe:{name}") is not None)  # running
+    past_the_lease = time.monotonic() + 6.5  # the marker's lease is 5 s
+    while time.monotonic() < past_the_lease:
+        assert held("redis", f"dedupe:dedupe:{name}") is not None, "the marker ran out while the task ran"
+        time.sleep(0.1)
+    assert held("redis", f"dedupe:{name}") is not None, "the task ended early"
+    assert deduped.apply_async((name, log, 0), queue=queue).id == first.id  # before: a duplicate was queued
+    first.get(timeout=30)
+    assert len(events(log)) == 2  # the duplicate never ran
 
 
 def one(item):
