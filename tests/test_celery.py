@@ -287,7 +287,6 @@ def test_dedupe_at_enqueue_returns_the_queued_tasks_result(celery_workers, log, 
     assert len(events(log)) == 6  # first, other, again: the duplicates never ran
 
 
-
 def test_a_running_tasks_dedupe_marker_is_renewed_past_its_ttl(celery_workers, log, name):
     """The marker of a task that runs longer than its lock_ttl (5 s) stays: a send then still returns the running task."""
     queue = f"q-{name}"
