@@ -22,7 +22,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from distlocks.backends.base import AsyncTurn, BaseLockBackend, deadline_after
 from distlocks.backends.db.connections import OwnConnectionBackend, execute, open_like
-from distlocks.backends.db.notify import can_listen, channel, notified, own_session
+from distlocks.backends.db.notify import batches, can_listen, channel, known_own_session, notified, own_session
 from distlocks.backends.db.statements import sql_for
 from distlocks.exceptions import BackendUnavailable
 from distlocks.owner import Owner
@@ -128,7 +128,7 @@ class QueuedBackend(OwnConnectionBackend):
             self._poll(key, remaining)  # SQLite inside the caller's transaction: nobody else can write anyway
             return
         deadline = deadline_after(remaining)
-        place = self._places.get(key) or self._enqueue(key)
+        place = self._places.get(key) or self._enqueue(key, listen=True)
         delay = POLL_FIRST
         head_since: float | None = None
         while True:
@@ -146,11 +146,8 @@ class QueuedBackend(OwnConnectionBackend):
             if not live and not ahead:
                 return
             if listening is not None:
-                pause = _LISTEN_POLL if deadline is None else min(_LISTEN_POLL, deadline - time.monotonic())
-                if pause <= 0:
+                if self._hear(listening, place.id, deadline):
                     return
-                if notified(listening, pause) and not ahead:
-                    return  # released: the first in the queue tries at once
                 continue
             if ahead:
                 head_since = None
@@ -160,6 +157,29 @@ class QueuedBackend(OwnConnectionBackend):
                 delay = min(delay * 2, POLL_MAX) if time.monotonic() - head_since > _HEAD_FAST else POLL_FIRST
             if not sleep(delay, deadline):
                 return
+
+    @staticmethod
+    def _hear(listening: Any, place: int, deadline: float | None) -> bool:
+        """Wait for a release that names ``place`` the first in the queue, or the time for the next look.
+
+        True: try at once (named, or the deadline passed: the core's loop ends
+        it); False: look. A release names the first live waiter only, so the
+        others sleep on through it instead of all looking (no herd).
+        """
+        look_at = time.monotonic() + _LISTEN_POLL
+        while True:
+            pause = look_at - time.monotonic()
+            if deadline is not None and deadline - time.monotonic() < pause:
+                pause = deadline - time.monotonic()
+                if pause <= 0:
+                    return True
+            if pause <= 0:
+                return False
+            payloads = notified(listening, pause)
+            if payloads is None or "" in payloads:  # a failed connection, or a release that named nobody
+                return False
+            if str(place) in payloads:
+                return True
 
     @staticmethod
     def _look(key: str, place: int, connection: BaseDatabaseWrapper) -> tuple[int, int]:
@@ -194,11 +214,25 @@ class QueuedBackend(OwnConnectionBackend):
         listening = self._listening[key] = connections[self._connection_alias].connection
         return listening
 
-    def _enqueue(self, key: str) -> Place:
+    def _enqueue(self, key: str, listen: bool = False) -> Place:
+        """Queue for ``key``; with ``listen`` (a waiting thread's), LISTEN in the same round trip where wait() will."""
+
         def enqueue(connection: BaseDatabaseWrapper) -> int:
             sql = sql_for(connection)
+            listen_too = (
+                listen
+                and can_listen(connection)
+                and batches(connection)
+                and known_own_session(self.database)
+                and self._listening.get(key) is not connection.connection
+            )
             with connection.cursor() as cursor:
-                cursor.execute(sql.enqueue, [key, sql.lease(WAITER_LEASE)])
+                if listen_too:
+                    cursor.execute(f'LISTEN "{channel(key)}"; {sql.enqueue}', [key, sql.lease(WAITER_LEASE)])
+                    self._listening[key] = connection.connection
+                    cursor.nextset()
+                else:
+                    cursor.execute(sql.enqueue, [key, sql.lease(WAITER_LEASE)])
                 return int(cursor.fetchone()[0] if sql.returning else cursor.lastrowid)
 
         place = self._places[key] = Place(self._run(enqueue), time.monotonic())
