@@ -27,9 +27,10 @@ from distlocks.backends.db.statements import sql_for
 from distlocks.exceptions import BackendUnavailable
 from distlocks.owner import Owner
 
-# Waiters poll from 1 ms, doubling up to 4 ms between reads, 4 ms more for each
-# waiter ahead, and 20 ms at most. The first in the queue, which takes the lock
-# next, polls every 1 ms for its first 50 ms there, then backs off likewise.
+# Waiters poll from 1 ms, doubling up to 4 ms between reads for each waiter
+# ahead, and 20 ms at most. The first two in the queue, the next to take the
+# lock and the one after it, poll every 1 ms for their first 50 ms there, then
+# back off likewise.
 POLL_FIRST = 0.001
 _HEAD_POLL_MAX = 0.004
 _HEAD_FAST = 0.05
@@ -130,7 +131,7 @@ class QueuedBackend(OwnConnectionBackend):
         deadline = deadline_after(remaining)
         place = self._places.get(key) or self._enqueue(key, listen=True)
         delay = POLL_FIRST
-        head_since: float | None = None
+        near_since: float | None = None
         while True:
             if time.monotonic() - place.renewed > WAITER_LEASE / 3:
                 place = self._stay_queued(key, place)
@@ -149,12 +150,14 @@ class QueuedBackend(OwnConnectionBackend):
                 if self._hear(listening, place.id, deadline):
                     return
                 continue
-            if ahead:
-                head_since = None
-                delay = min(delay * 2, _HEAD_POLL_MAX * (ahead + 1), POLL_MAX)
+            if ahead > 1:
+                near_since = None
+                delay = min(delay * 2, _HEAD_POLL_MAX * ahead, POLL_MAX)
             else:
-                head_since = head_since or time.monotonic()
-                delay = min(delay * 2, POLL_MAX) if time.monotonic() - head_since > _HEAD_FAST else POLL_FIRST
+                # The next to take the lock, or the one after it: the first takes the lock within
+                # a look of a release, so the second must be looking by then, not in a long sleep.
+                near_since = near_since or time.monotonic()
+                delay = min(delay * 2, POLL_MAX) if time.monotonic() - near_since > _HEAD_FAST else POLL_FIRST
             if not sleep(delay, deadline):
                 return
 
