@@ -137,6 +137,8 @@ class DatabaseBackend(QueuedBackend):
             params = [*owned, key, queued_as]
             leaving = place is not None and sql.insert_leaving is not None
             statement = sql.insert_leaving if leaving else sql.insert
+            if place is not None and sql.insert_if_free is not None:
+                statement, params = sql.insert_if_free, [*params, key]
             # A listening waiter's attempt stops listening in the same round trip (it listens again if it lost).
             unlisten = leaving and self._listening.get(key) is connection.connection and batches(connection)
             if unlisten:
@@ -174,12 +176,19 @@ class DatabaseBackend(QueuedBackend):
         def attempt(connection: BaseDatabaseWrapper) -> bool:
             sql = sql_for(connection)
             mine = [key, owner.secret]
-            if execute(connection, sql.release_last, [*mine, channel(key)] if sql.notifies else mine):
+            kept = self._kept.get(key)
+            if kept is not None and sql.release_leaving is not None:
+                if execute(connection, sql.release_leaving, [kept, *mine]):
+                    del self._kept[key]
+                    return True
+            elif execute(connection, sql.release_last, [*mine, channel(key)] if sql.notifies else mine):
                 return True
             if execute(connection, sql.release_one, [key, owner.secret]):
                 return True
-            # The lease is gone; drop our expired row, if it is still there.
+            # The lease is gone; drop our expired row, if it is still there, and the place we kept.
             execute(connection, sql.drop_mine, [key, owner.secret])
+            if self._kept.pop(key, None) is not None:
+                execute(connection, sql.dequeue, [kept])
             return False
 
         return self._run(attempt)

@@ -53,6 +53,16 @@ class Statements:
             f" hold_count, acquired_at, expires_at) SELECT %s, %s, %s, %s, %s, 1, {now}, {later}{dual}"
             f" WHERE NOT EXISTS (SELECT 1 FROM {ahead}){returning}"
         )
+        # On MySQL a queued waiter's attempt also checks that the lock is free, so that
+        # one that finds it held inserts nothing instead of failing on the unique key
+        # (an error, then a DELETE of an expired row): the first in the queue polls by trying.
+        # (A row that expired still fails the insert, and is deleted.)
+        self.insert_if_free = (
+            f"{self.insert} AND NOT EXISTS (SELECT 1 FROM {table} held WHERE held.lock_name = %s"
+            f" AND held.expires_at > {now})"
+            if vendor == "mysql"
+            else None
+        )
         # On PostgreSQL a waiter that takes the lock leaves the queue in the same
         # statement (the last parameter: its place); elsewhere end_wait() does.
         self.insert_leaving = (
@@ -84,6 +94,13 @@ class Statements:
                 f" FROM gone, LATERAL (SELECT MIN(w.id) AS id FROM {queue} w WHERE w.lock_name = gone.lock_name"
                 f" AND w.expires_at > {now}) head"
             )
+        # On MySQL the last release also deletes the place its holder queued in, if it kept one (the first parameter).
+        self.release_leaving = (
+            f"DELETE held, kept FROM {table} held LEFT JOIN {queue} kept ON kept.id = %s"
+            f" WHERE held.lock_name = %s AND held.owner_secret = %s AND held.expires_at > {now} AND held.hold_count <= 1"
+            if vendor == "mysql"
+            else None
+        )
         self.release_one = f"UPDATE {table} SET hold_count = hold_count - 1 WHERE {mine}"
         self.drop_mine = f"DELETE FROM {table} WHERE lock_name = %s AND owner_secret = %s"
         self.force_release = f"DELETE FROM {table} WHERE lock_name = %s"
