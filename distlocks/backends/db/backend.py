@@ -137,8 +137,6 @@ class DatabaseBackend(QueuedBackend):
             params = [*owned, key, queued_as]
             leaving = place is not None and sql.insert_leaving is not None
             statement = sql.insert_leaving if leaving else sql.insert
-            if place is not None and sql.insert_if_free is not None:
-                statement, params = sql.insert_if_free, [*params, key]
             # A listening waiter's attempt stops listening in the same round trip (it listens again if it lost).
             unlisten = leaving and self._listening.get(key) is connection.connection and batches(connection)
             if unlisten:

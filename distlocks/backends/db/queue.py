@@ -49,8 +49,6 @@ class Place:
 
     id: int
     renewed: float
-    #: Since when (monotonic) it is the first, where the first polls by trying (``Statements.insert_if_free``).
-    first: float | None = None
 
 
 @dataclass
@@ -123,10 +121,10 @@ class QueuedBackend(OwnConnectionBackend):
         The first call queues this thread (a row with a growing id); then it
         polls with a plain SELECT, which takes no row or gap locks (MVCC on
         InnoDB and PostgreSQL, WAL readers on SQLite), so waiters never get in
-        the holder's way. The first in the queue polls most often, as it is the
-        one to take the lock next; the place is renewed every third of its lease.
-        On PostgreSQL it waits for the release's notification between looks
-        instead (see ``notify``).
+        the holder's way. The first two in the queue poll most often, as they
+        take the lock next; the place is renewed every third of its lease. On
+        PostgreSQL a waiter waits between looks for a release's notification
+        that names its place (see ``notify``).
         """
         if self._using() != self._connection_alias:
             self._poll(key, remaining)  # SQLite inside the caller's transaction: nobody else can write anyway
@@ -138,12 +136,6 @@ class QueuedBackend(OwnConnectionBackend):
         while True:
             if time.monotonic() - place.renewed > WAITER_LEASE / 3:
                 place = self._stay_queued(key, place)
-            if place.first is not None:
-                # Nobody gets ahead of the first (an expired place queues again at the end): the
-                # next attempt is the look, and takes the lock in the same round trip if it is free.
-                fast = time.monotonic() - place.first <= _HEAD_FAST
-                sleep(POLL_FIRST if fast else min(POLL_FIRST * 2 ** min(attempt, 5), POLL_MAX), deadline)
-                return
             listening = self._listen(key)  # before the look, so that no release after it goes unheard
 
             look = functools.partial(self._look, key, place.id)
@@ -155,9 +147,6 @@ class QueuedBackend(OwnConnectionBackend):
                 live, ahead = self._run(look)
             if not live and not ahead:
                 return
-            if not ahead and self._tries_if_free():
-                place.first = time.monotonic()
-                continue
             if listening is not None:
                 if self._hear(listening, place.id, deadline):
                     return
@@ -175,11 +164,6 @@ class QueuedBackend(OwnConnectionBackend):
 
     def _keeps_place(self) -> bool:
         return sql_for(connections[self._connection_alias]).release_leaving is not None
-
-    def _tries_if_free(self) -> bool:
-        """True where a queued attempt only inserts a lock that is free (MySQL): no error and no second statement
-        when it is not, so that the first in the queue polls by trying (one round trip fewer per handoff)."""
-        return sql_for(connections[self._connection_alias]).insert_if_free is not None
 
     @staticmethod
     def _hear(listening: Any, place: int, deadline: float | None) -> bool:

@@ -53,16 +53,6 @@ class Statements:
             f" hold_count, acquired_at, expires_at) SELECT %s, %s, %s, %s, %s, 1, {now}, {later}{dual}"
             f" WHERE NOT EXISTS (SELECT 1 FROM {ahead}){returning}"
         )
-        # On MySQL a queued waiter's attempt also checks that the lock is free, so that
-        # one that finds it held inserts nothing instead of failing on the unique key
-        # (an error, then a DELETE of an expired row): the first in the queue polls by trying.
-        # (A row that expired still fails the insert, and is deleted.)
-        self.insert_if_free = (
-            f"{self.insert} AND NOT EXISTS (SELECT 1 FROM {table} held WHERE held.lock_name = %s"
-            f" AND held.expires_at > {now})"
-            if vendor == "mysql"
-            else None
-        )
         # On PostgreSQL a waiter that takes the lock leaves the queue in the same
         # statement (the last parameter: its place); elsewhere end_wait() does.
         self.insert_leaving = (
