@@ -10,7 +10,7 @@ Side by side in one run, on one Redis server, in one process:
   read, a pause of the event loop (or a thread switch) and a write of a shared
   counter inside: cycles/s, the median and worst wait for the lock (medians
   over ``--contended-rounds`` interleaved runs), and lost updates.
-The row "distlocks" is ``alock``. The async contenders are 100 tasks on one event loop; the sync lock's are 100
+The row "distlocks" is ``alock``, "aread_write_lock write" the write side of a read-write lock. The async contenders are 100 tasks on one event loop; the sync lock's are 100
 threads. redis-py's asyncio Lock polls every 5 ms while it waits (``sleep``;
 its default is 100 ms) and is neither reentrant, fenced nor renewed.
 """
@@ -36,7 +36,7 @@ from bench.common import arguments  # noqa: E402
 
 os.environ["DJANGO_SETTINGS_MODULE"] = "tests.settings"
 
-IMPLS = ["redis.asyncio Lock", "distlocks", "distlocks sync lock"]
+IMPLS = ["redis.asyncio Lock", "distlocks", "distlocks sync lock", "aread_write_lock write"]
 CONTENDERS = 100
 POLL = 0.005  # redis.asyncio Lock's sleep between attempts
 
@@ -67,6 +67,9 @@ class Contender:
         if self.impl == "distlocks":
             alk = distlocks.alock(name, using="bench", ttl=30, wait=None)
             return alk.acquire, alk.release
+        if self.impl == "aread_write_lock write":
+            side = distlocks.aread_write_lock(name, using="bench", ttl=30, wait=None).write()
+            return side.acquire, side.release
         slk = distlocks.lock(name, using="bench", ttl=30, wait=None)
 
         async def acquire() -> object:

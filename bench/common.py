@@ -7,11 +7,13 @@ import json
 import os
 import statistics
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 WARM_UP = 0.5  # seconds of untimed contended cycles before the timed ones
+CONTENDERS_GRACE = 120  # seconds a contended run may take beyond its timed part (start-up, the last cycles)
 
 
 def arguments(
@@ -148,6 +150,35 @@ def contend_blocking(
     return contend(counter, processes, seconds, cycle)
 
 
+def gather_reports(command: list[str], processes: int, seconds: float) -> list[dict]:
+    """Run ``processes`` copies of ``command`` and return the JSON report each prints last.
+
+    The contenders wait for each other (``start_together``, and at the end),
+    so one that fails would leave the others waiting for ever: the first to
+    fail, or a run past ``seconds`` + ``CONTENDERS_GRACE``, stops them all
+    with an error naming the command (its traceback is on stderr already).
+    """
+    with tempfile.TemporaryDirectory() as out:
+        outputs = [Path(out, str(i)) for i in range(processes)]
+        running = [subprocess.Popen(command, stdout=path.open("w")) for path in outputs]
+        deadline = time.monotonic() + seconds + CONTENDERS_GRACE
+        try:
+            while any(p.poll() is None for p in running):
+                failed = next((p for p in running if p.returncode), None)
+                if failed or time.monotonic() > deadline:
+                    how = f"exited with {failed.returncode}" if failed else "did not finish in time"
+                    raise RuntimeError(f"a contender {how}: {' '.join(command)}")
+                time.sleep(0.05)
+            failed = next((p for p in running if p.returncode), None)
+            if failed:
+                raise RuntimeError(f"a contender exited with {failed.returncode}: {' '.join(command)}")
+            return [json.loads(path.read_text().splitlines()[-1]) for path in outputs]
+        finally:
+            for p in running:
+                p.kill()
+                p.wait()
+
+
 def run_contenders(
     command: list[str], counter: Path, processes: int, seconds: float
 ) -> tuple[list[dict], dict[str, float]]:
@@ -156,8 +187,7 @@ def run_contenders(
     Return their reports and the figures of the run: grants per second, the
     median, 99th percentile and worst wait, and the updates lost on ``counter``.
     """
-    running = [subprocess.Popen(command, stdout=subprocess.PIPE, text=True) for _ in range(processes)]
-    reports = [json.loads(p.communicate()[0].splitlines()[-1]) for p in running]
+    reports = gather_reports(command, processes, seconds)
     waits = sorted(w for r in reports for w in r["waits"])
     return reports, {
         "per_second": len(waits) / seconds,

@@ -23,7 +23,6 @@ import contextlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import uuid
@@ -43,7 +42,7 @@ from django.core.management import call_command  # noqa: E402
 from django.db import DatabaseError, connections  # noqa: E402
 
 import distlocks  # noqa: E402
-from bench.common import arguments, bump, contend, time_cycles  # noqa: E402
+from bench.common import arguments, bump, contend, gather_reports, time_cycles  # noqa: E402
 
 DATABASES = ["default", "mariadb", "postgresql"]
 IMPLS = ["floor", "django-db-mutex", "distlocks", "native"]
@@ -163,8 +162,7 @@ def contended(impl: str, alias: str, seconds: float, tmp: Path) -> dict[str, flo
     counter.write_text("0")
     name = f"bench-{uuid.uuid4().hex}"
     command = [sys.executable, __file__, "--worker", impl, alias, name, str(seconds), str(counter)]
-    processes = [subprocess.Popen(command, stdout=subprocess.PIPE, text=True) for _ in range(PROCESSES)]
-    reports = [json.loads(p.communicate()[0].splitlines()[-1]) for p in processes]
+    reports = gather_reports(command, PROCESSES, seconds)
     cycles = sum(r["cycles"] for r in reports)
     turns = Path(f"{counter}.order").read_text().split()
     return {

@@ -8,7 +8,8 @@ bounded pool of threads shared by the process, acting as the task. Either way
 reentrancy, tokens, signals and the watchdog are the sync lock's own. Waiting happens on the event loop, holding
 no thread, as the backend's ``async_turn`` says: on Redis the task queues like
 a waiting thread and the loop reads its hand-over from pub/sub, so threads and
-tasks are served in turn; elsewhere it sleeps with the core's backoff. A
+tasks are served in turn; on ZooKeeper its node stays queued between attempts
+and a watch wakes the loop; elsewhere it sleeps with the core's backoff. A
 cancelled waiter leaves nothing behind: no lock, no queue entry.
 The process's watchdog renews a task's holds from its own threads: a loop that
 stalls past the lease keeps its locks, and a hold that could not be renewed is
@@ -263,6 +264,8 @@ class AsyncDistributedLock(AsyncLockAPI):
     async def _attempt(self, state: _TaskState, native: AsyncPrimitives, called: float, turn: AsyncTurn) -> bool:
         """One attempt on the loop, as ``DistributedLock._acquire(0)`` in a thread (failures told by the caller)."""
         lock = self.lock
+        with state.acting():
+            lock._may_acquire()
         hold = state.holds.get((lock.alias, lock.key))
         if hold is not None:
             await run_steps(state, lock._reenter(hold))

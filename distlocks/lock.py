@@ -180,6 +180,7 @@ class DistributedLock(LockAPI):
         self, wait: float | None, called: float, tell_not_acquired: bool = True, turn: AsyncTurn | None = None
     ) -> bool:
         """``acquire()`` called at ``called`` (monotonic); an async caller that tries again has the failure told later."""
+        self._may_acquire()
         backend = self.primitives(locks[self.alias])
         hold = holds().get((self.alias, self.key))
         if hold is not None:
@@ -198,6 +199,9 @@ class DistributedLock(LockAPI):
             return False
         run_steps(self._record(backend, owner, *taken, called))
         return True
+
+    def _may_acquire(self) -> None:
+        """Raise if the calling thread (task) may not ask for this lock at all (see ``WriteLock``)."""
 
     def _record(self, backend: BaseLockBackend, owner: Owner, token: int, started: float, called: float) -> Steps[None]:
         """Make the lock just taken (``token``, by a request that left at ``started``) the caller's hold, watched."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from distlocks.backends.base import AsyncTurn, BaseLockBackend, check_name_and_alias
+from distlocks.backends.base import BaseLockBackend, check_name_and_alias
 from distlocks.backends.sides import READ, WRITE
 from distlocks.handler import DEFAULT_ALIAS, locks
 from distlocks.holds import holds
@@ -49,15 +49,12 @@ class WriteLock(ReadLock):
     noun = "Write lock"
     mode = WRITE
 
-    def _acquire(
-        self, wait: float | None, called: float, tell_not_acquired: bool = True, turn: AsyncTurn | None = None
-    ) -> bool:
-        """Acquire the write side (see ``DistributedLock.acquire``); ValueError if this thread (task) is reading."""
+    def _may_acquire(self) -> None:
+        """ValueError if this thread (task) is reading: two such readers would wait for each other for ever."""
         if (self.alias, self.read_key) in holds() and (self.alias, self.key) not in holds():
             raise ValueError(
                 self._message("is asked for by a thread that holds its read side: release the read lock first")
             )
-        return super()._acquire(wait, called, tell_not_acquired, turn)
 
 
 class ReadWriteLock:

@@ -384,19 +384,24 @@ def test_on_redis_a_waiting_task_is_queued_and_cancelling_it_takes_it_out_of_the
 
 
 def queued(alias, name):
-    """How many waiters are in the lock's queue: a ZSET on Redis, rows of the waiters' table on a database."""
+    """How many waiters are in the lock's queue: a ZSET on Redis, nodes on ZooKeeper (but the holder's), rows of the
+    waiters' table on a database."""
     if alias == "redis":
         client, queue = redis_queue(name)
         return client.zcard(queue)
+    if alias == "zookeeper":
+        backend = locks[alias]
+        return len(backend._request("get_children", backend._parent(backend.make_key(name)))) - 1
     return LockWaiter.objects.using(alias).filter(lock_name=locks[alias].make_key(name)).count()
 
 
-@pytest.mark.parametrize("alias", ["redis", *DB_ALIASES], indirect=True)
+@pytest.mark.parametrize("alias", ["redis", "zookeeper", *DB_ALIASES], indirect=True)
 def test_tasks_and_threads_of_several_processes_are_served_in_the_order_they_queued(alias, name, tmp_path, workers):
     """Each waiter starts once the one before it is in the lock's queue; the release hands the lock on in that order.
 
-    On Redis the release hands it over; on a database, a waiter takes it only
-    if no live waiter queued before it (async tasks queue too, not only threads).
+    On Redis the release hands it over; on ZooKeeper a waiter's node stays
+    queued, a task's too; on a database, a waiter takes it only if no live
+    waiter queued before it (async tasks queue too, not only threads).
     """
     log = tmp_path / "order"
     log.touch()

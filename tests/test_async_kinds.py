@@ -4,18 +4,20 @@ as the kind says, on one loop and across processes; cancellation leaves nothing;
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
 
 import distlocks
 from distlocks.aio import POOL_SIZE
+from distlocks.backends.redis.keys import keys_of_read_write_lock
 from distlocks.handler import locks
 from distlocks.inspection import held_locks, holder
 
 from .conftest import ALIASES, DB, PROCESS_ALIASES, Holder
 from .test_async import cancel_inside, run, ticker
-from .test_read_write import RW_ALIASES, RW_PROCESS_ALIASES
+from .test_read_write import RW_ALIASES, RW_PROCESS_ALIASES, takes
 from .test_semaphore import concurrency
 
 pytestmark = DB
@@ -225,9 +227,7 @@ def test_a_reader_task_asking_for_the_write_side_gets_value_error(alias, leave_n
     run(main())
 
 
-# ZooKeeper queues an async writer's node for each attempt only (the task's attempts run in any pool thread,
-# each with its own queue): between two attempts new readers pass it. See the README.
-@pytest.mark.parametrize("alias", [alias for alias in RW_ALIASES if alias != "zookeeper"], indirect=True)
+@pytest.mark.parametrize("alias", RW_ALIASES, indirect=True)
 def test_a_waiting_writer_task_blocks_new_readers_and_cancelling_it_lets_them_in(alias, leave_nothing, name):
     async def main():
         rw = distlocks.aread_write_lock(name, using=alias)
@@ -342,7 +342,7 @@ def test_tasks_in_several_processes_exclude_each_other_as_the_kind_says(
 @pytest.mark.parametrize("alias", ["redis"], indirect=True)
 def test_on_redis_a_waiting_writer_task_joins_the_queue_and_cancelling_it_takes_it_out(alias, leave_nothing, name):
     rw = distlocks.aread_write_lock(name, using=alias)
-    client, queue = locks[alias].client, locks[alias]._rw_keys(rw.rw.key)[2]
+    client, queue = locks[alias].client, keys_of_read_write_lock(rw.rw.key)[2]
 
     async def main():
         reader = Holder(name, alias, lock=distlocks.read_write_lock(name, using=alias).read())
@@ -355,5 +355,135 @@ def test_on_redis_a_waiting_writer_task_joins_the_queue_and_cancelling_it_takes_
         assert reader.release() is None
         assert await rw.write().acquire(wait=0)  # nothing was handed to the cancelled writer
         await rw.write().release()
+
+    run(main())
+
+
+async def a_task_reads(rw, wait):
+    """Whether a new task on the loop gets ``rw``'s read side within ``wait`` seconds (it gives it back at once)."""
+
+    async def read():
+        if not await rw.read().acquire(wait=wait):
+            return False
+        await rw.read().release()
+        return True
+
+    return await asyncio.create_task(read())
+
+
+@pytest.mark.parametrize("alias", RW_ALIASES, indirect=True)
+def test_new_readers_wait_behind_a_waiting_writer_task_until_it_has_written(
+    alias, leave_nothing, name, workers, tmp_path
+):
+    """A reader holds, a writer task waits: new readers (a task on its loop, a thread, a process) keep out, between
+    its attempts too, and get in only once the writer has written."""
+    log = tmp_path / "events"
+    log.touch()
+
+    def note(event, label):
+        with log.open("a") as events:
+            events.write(f"{event} {label} {time.monotonic():.6f}\n")
+
+    def read_in_a_thread(asking):
+        asking.set()
+        with distlocks.read_write_lock(name, using=alias, wait=60).read():
+            note("enter", "thread")
+
+    async def main():
+        rw = distlocks.aread_write_lock(name, using=alias, wait=60)
+        first = Holder(name, alias, lock=distlocks.read_write_lock(name, using=alias).read())
+
+        async def write():
+            async with rw.write():
+                note("enter", "writer")
+                await asyncio.sleep(0.3)  # the readers that wait keep out while it writes
+                note("exit", "writer")
+
+        writing = asyncio.create_task(write())
+        await until_true(lambda: not takes(alias, name, "read"))  # the writer is queued
+        # For 2 s (attempts of the writer, and waits between them) no new reader gets in, here or elsewhere.
+        if alias in RW_PROCESS_ALIASES:
+            elsewhere = asyncio.to_thread(lambda: workers("rw_take", alias, name, "read", 2).finish())
+            busy = ["busy"]
+        else:
+            elsewhere, busy = asyncio.to_thread(takes, alias, name, "read", 2), False
+        assert await asyncio.gather(elsewhere, a_task_reads(rw, 2)) == [busy, False]
+
+        async def read_later():
+            async with rw.read():
+                note("enter", "task")
+
+        reading = asyncio.create_task(read_later())
+        asking = threading.Event()
+        thread = threading.Thread(target=read_in_a_thread, args=(asking,))
+        thread.start()
+        assert await asyncio.to_thread(asking.wait, 30)
+        later = None
+        if alias in RW_PROCESS_ALIASES:
+            later = workers("rw_turn", alias, name, "read", "process", 0, log, "ready")
+            assert await asyncio.to_thread(later.line) == ["ready"]
+        await asyncio.sleep(0.3)  # they ask for the read side meanwhile
+        assert not writing.done()
+        assert not reading.done()
+        assert await asyncio.to_thread(first.release) is None
+        await asyncio.gather(writing, reading)
+        await asyncio.to_thread(thread.join, 30)
+        assert not thread.is_alive()
+        if later is not None:
+            assert await asyncio.to_thread(later.finish) == ["done"]
+        assert await held_now(alias, name) == []
+
+    run(main())
+    entered, left = {}, {}
+    for line in log.read_text().splitlines():
+        event, label, at = line.split()
+        (entered if event == "enter" else left)[label] = float(at)
+    readers = ["task", "thread"] + (["process"] if alias in RW_PROCESS_ALIASES else [])
+    assert sorted(entered) == sorted(["writer", *readers])
+    assert all(left["writer"] <= entered[reader] for reader in readers), (entered, left)
+
+
+def zk_nodes(name):
+    """The names of the children of a read-write lock's node on ZooKeeper: its readers' and writers' nodes."""
+    from kazoo.exceptions import NoNodeError
+
+    backend = locks["zookeeper"]
+    try:
+        children = backend._request(
+            "get_children", backend._parent(distlocks.read_write_lock(name, using="zookeeper").key)
+        )
+    except NoNodeError:
+        return []
+    return sorted(children, key=lambda child: child[-10:])
+
+
+@pytest.mark.parametrize("alias", ["zookeeper"], indirect=True)
+def test_on_zookeeper_a_waiting_writer_task_keeps_one_node_queued_and_cancelling_it_deletes_the_node(
+    alias, leave_nothing, name
+):
+    async def main():
+        rw = distlocks.aread_write_lock(name, using=alias)
+        first = Holder(name, alias, lock=distlocks.read_write_lock(name, using=alias).read())
+        assert [node.partition("-")[0] for node in zk_nodes(name)] == ["read"]
+        writing = asyncio.create_task(rw.write().acquire(wait=60))
+        await until_true(lambda: len(zk_nodes(name)) == 2)
+        queued = zk_nodes(name)
+        assert queued[1].startswith("write-")
+        # Its node stays queued, the same one, across its attempts (it looks again every second), and keeps
+        # new readers out: one on the loop and one in a thread try meanwhile and give up.
+        seen = set()
+        watch_until = time.monotonic() + 2.5
+        while time.monotonic() < watch_until:
+            seen.add(tuple(await asyncio.to_thread(zk_nodes, name)))
+            assert not await a_task_reads(rw, 0)
+            assert not await asyncio.to_thread(takes, alias, name, "read")
+        assert seen == {tuple(queued)}
+        writing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await writing
+        await until_true(lambda: zk_nodes(name) == queued[:1], timeout=5)  # only the reader's node is left
+        assert await a_task_reads(rw, 0)  # a new reader gets in at once
+        assert await asyncio.to_thread(first.release) is None
+        await until_true(lambda: zk_nodes(name) == [], timeout=5)
 
     run(main())

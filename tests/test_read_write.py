@@ -374,10 +374,10 @@ def test_an_unreachable_server_gives_backend_unavailable_in_bounded_time(setting
 
 def rw_queue(name):
     """The Redis client and the key of the read-write lock ``name``'s waiters' queue."""
-    from distlocks.backends.redis.backend import RedisBackend
+    from distlocks.backends.redis.keys import keys_of_read_write_lock
 
     backend = distlocks.handler.locks["redis"]
-    return backend.client, RedisBackend._rw_keys(backend.make_key(f"rw:{name}"))[2]
+    return backend.client, keys_of_read_write_lock(backend.make_key(f"rw:{name}"))[2]
 
 
 def until(condition, seconds=20.0):
@@ -461,7 +461,9 @@ def test_a_side_handed_to_a_waiter_its_process_forgot_is_given_back(alias, leave
         reading.wait(key + "#read", 0, 1.0)  # subscribes the process's channel
         assert reading.try_acquire(key + "#read", current_owner(), 30.0) is None  # queued
         # As if Redis had been unreachable when it gave up: it is still queued.
-        slot = backend._rw_keys(key)[0]
+        from distlocks.backends.redis.keys import keys_of_read_write_lock
+
+        slot = keys_of_read_write_lock(key)[0]
         backend._releases().discharge(backend._waiting.pop(slot))
 
     thread = threading.Thread(target=forgotten_reader)

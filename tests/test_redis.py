@@ -13,11 +13,13 @@ from django_redis import get_redis_connection
 
 import distlocks
 from distlocks.backends.redis import backend as redis_backend
+from distlocks.backends.redis import strays
+from distlocks.backends.redis.keys import acquire_keys
 from distlocks.handler import locks
 from distlocks.owner import acting_as, current_owner, task_owner
 from localservers import REDIS_PORT, RedisServer, answers
 
-from .conftest import DB, queue_waiters
+from .conftest import DB, Holder, queue_waiters
 
 pytestmark = [DB, pytest.mark.servers("redis")]
 
@@ -466,3 +468,59 @@ def test_inspection_shows_when_a_lock_was_taken_and_handed_over(name):
     now = datetime.now(timezone.utc)
     assert abs((now - taken).total_seconds()) < 5
     assert abs((now - result[0]).total_seconds()) < 5  # the server's clock, for a hand-over
+
+
+def _lost_attempt_scripts(name):
+    """The lock's acquire keys, a call of the alias's scripts, and an owner's secret: attempts whose answer is lost."""
+    backend = locks["redis"]
+    keys = acquire_keys(backend.make_key(name))
+    return keys, lambda script, args: backend.call(script, keys, args), current_owner().secret
+
+
+def test_an_acquire_voided_before_it_runs_takes_nothing(name):
+    keys, call, secret = _lost_attempt_scripts(name)
+    attempt = strays.attempt_id()
+    assert call("void", [attempt, secret, 30_000, ""]) == 0  # the void reached the server first
+    assert call("acquire", [attempt, secret, 30_000, "1 late"]) < 0
+    assert not locks["redis"].client.exists(keys[0])
+    assert call("acquire", [strays.attempt_id(), secret, 30_000, "1 next"]) > 0  # another attempt takes it
+    assert call("void", [attempt, secret, 30_000, ""]) == 0  # a void of the first leaves it
+    assert call("release", [secret]) == 0
+
+
+def test_a_void_gives_back_only_what_its_attempt_took_and_nobody_re_entered(name):
+    keys, call, secret = _lost_attempt_scripts(name)
+    client = locks["redis"].client
+    taken = strays.attempt_id()
+    assert call("acquire", [taken, secret, 30_000, "1 lost"]) > 0
+    assert call("reenter", [secret, 30_000]) == 1  # re-entered: the owner holds it, knowingly
+    assert call("void", [taken, secret, 30_000, ""]) == 0
+    assert int(client.hget(keys[0], "count")) == 2
+    assert call("release", [secret]) == 1
+    assert call("void", [strays.attempt_id(), secret, 30_000, ""]) == 0  # another attempt's
+    assert call("void", [taken, "another owner's secret", 30_000, ""]) == 0
+    assert call("void", [taken, secret, 30_000, ""]) == 1
+    assert not client.exists(keys[0])
+
+
+def test_a_lock_handed_over_to_a_waiter_whose_attempt_was_lost_is_given_back(name):
+    keys, call, secret = _lost_attempt_scripts(name)
+    client = locks["redis"].client
+    listener = client.pubsub()
+    listener.subscribe(f"test-channel-{name}")  # the release hands the lock over only to a waiter listened for
+    try:
+        for taken_by_attempt in (False, True):
+            holder = Holder(name, "redis")
+            entry = f"test-channel-{name}|w{taken_by_attempt}|{secret}|30000|a waiter"
+            queued = strays.attempt_id()
+            assert call("acquire", [queued, secret, 30_000, "1 waiter", entry]) < 0  # queued
+            holder.release()  # hands it to the waiter
+            assert client.hget(keys[0], "owner").decode() == secret
+            lost = queued
+            if taken_by_attempt:  # the waiter's next attempt took what was handed to it, and its answer was lost
+                lost = strays.attempt_id()
+                assert call("acquire", [lost, secret, 30_000, "1 waiter", entry, "queued"]) > 0
+            assert call("void", [lost, secret, 30_000, entry]) == 1
+            assert not client.exists(keys[0])
+    finally:
+        listener.close()

@@ -271,9 +271,14 @@ def rw_guarded(alias: str, name: str, mode: str, seconds: str, pause: str, log: 
     say("done", taken, timeouts)
 
 
-def rw_turn(alias: str, name: str, mode: str, label: str, hold: str, log: str) -> None:
-    """Wait for the ``mode`` side; holding it ``hold`` seconds, log "enter"/"exit" with ``label`` and the time."""
+def rw_turn(alias: str, name: str, mode: str, label: str, hold: str, log: str, ready: str = "") -> None:
+    """Wait for the ``mode`` side; holding it ``hold`` seconds, log "enter"/"exit" with ``label`` and the time.
+
+    With ``ready``, say "ready" first (set up, about to ask for the side).
+    """
     side = rw_side(alias, name, mode, wait=60)
+    if ready:
+        say("ready")
     with side, open(log, "a") as events:
         events.write(f"enter {label} {time.monotonic():.6f}\n")
         events.flush()

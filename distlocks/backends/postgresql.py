@@ -27,6 +27,43 @@ another session), and ``synchronous_commit = off`` would lose the sequence's
 last WAL record in a crash, handing the same values out again (the crash test
 of ``tests/faults/test_native.py``, run once against a server so configured,
 saw the tokens start again at 1), and would save no flush of the others.
+
+Why the lease is still a row (issue 16, measured, not built): the server can
+enforce the lease itself. The holding session sets ``idle_session_timeout``
+to the ttl in the statement that takes the lock, and any statement on that
+session renews it. Checked on PostgreSQL 15: a session left idle in autocommit
+(a SIGSTOPped holder too) is ended when its timeout runs out, which frees its
+advisory lock, and a waiter blocked in ``pg_advisory_lock`` gets it at once. A
+session blocked in ``pg_advisory_lock`` is not idle, so waiters are never ended.
+Inside a transaction only ``idle_in_transaction_session_timeout`` applies. It
+does not reach the 1.5x target, and it would break the contract:
+
+- Speed. Uncontended acquire + release in one process, six variants
+  interleaved in blocks of 40 cycles, 60 blocks each, 3 runs on the 2-core test
+  machine (load about 2), the 10th percentile of the block medians (the quiet
+  times): the floor (``pg_advisory_lock`` / ``pg_advisory_unlock`` on a Django
+  cursor) 56-59 µs; this backend 155-164 µs (2.8-2.9x); the lock, the token and
+  ``set_config('idle_session_timeout')`` in one statement, with unlock and
+  resetting the timeout in another, and no row, listing or renewal, 112-116
+  µs (1.9-2.1x). Even the least any fenced acquisition can do
+  (``pg_try_advisory_lock`` and ``nextval`` in one statement, then
+  ``pg_advisory_unlock``) takes 96-97 µs (1.64-1.74x). Where that goes: the
+  two statements alone on the backend's own connection 67 µs (1.14-1.20x),
+  through ``NativeLockBackend.try_acquire``/``release`` 78-80 µs, through
+  ``lock.acquire``/``release`` 96-97 µs. The rest of the gap is on the client,
+  whatever the lease is made of.
+- Contract. Other sessions see only ``pg_locks`` and ``pg_stat_activity``:
+  the 64-bit key (the lock's name cannot be read back from its hash), the
+  session, its state and when that last changed. The token, the hold count,
+  ``acquired_at``, the ttl (the timeout is a session's own setting) and the
+  owner's thread and task are not there, and the listing, the admin's
+  force-release (which compares the token) and ``held()`` need them. Setting
+  ``application_name`` to them at every acquisition added 23-57 µs a cycle on
+  a bare psycopg connection (probably because the server reports each new
+  value to the client), as much as the row's write. Publishing the token as a
+  second, shared advisory lock made the acquisition about as slow as this
+  backend's (177-192 against 197-224 µs, in the same noisy runs). So the row
+  stays.
 """
 
 from __future__ import annotations

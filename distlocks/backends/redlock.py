@@ -187,11 +187,9 @@ def _workers_of(cache: str) -> _NodeWorkers:
     return workers
 
 
-def _put(
-    round_: _Round, index: int, node: RedisBackend, call: Callable[[RedisBackend], Any], late: Callable[..., Any] | None
-) -> None:
-    """Put ``call`` to ``node`` for a round, unless its deadline passed while it queued; hand a late answer to ``late``."""
-    if round_.closed or time.monotonic() >= round_.deadline:
+def _put(round_: _Round, index: int, node: RedisBackend, call: Callable[..., Any], late: Any, always: bool) -> None:
+    """Put ``call`` to ``node`` for a round, unless it was over while it queued (``always``: even then); a late answer to ``late``."""
+    if not always and (round_.closed or time.monotonic() >= round_.deadline):
         return  # never asked: nothing to undo
     try:
         answer = call(node)
@@ -267,18 +265,23 @@ class RedlockBackend(BaseLockBackend):
         settled: Callable[[list[Any]], bool] | None = None,
         nodes: list[int] | None = None,
         late: Callable[[RedisBackend, Any], Any] | None = None,
+        always: bool = False,
     ) -> list[Any]:
         """Put ``call`` to the ``nodes`` (indexes; all by default) at once; return their answers in order.
 
         Waits until all answered, ``settled(answers)`` or ``seconds`` passed; a
         node that raised or did not answer in time gives a false ``_Failed``.
         A late answer goes to ``late(node, answer)``, in the node's worker thread.
+        With ``always``, a node's worker puts ``call`` to it even after the round
+        is over (a release: it must reach a node still busy with a late take).
         """
         asked = list(range(len(self.nodes))) if nodes is None else nodes
         round_ = _Round(len(asked), settled, time.monotonic() + seconds)
         for index, node in enumerate(asked):
             node_backend = self.nodes[node]
-            _workers_of(node_backend.cache).submit(functools.partial(_put, round_, index, node_backend, call, late))
+            _workers_of(node_backend.cache).submit(
+                functools.partial(_put, round_, index, node_backend, call, late, always)
+            )
         answers = round_.wait()
         for answer in answers:
             if isinstance(answer, _Failed) and isinstance(answer.error, ImproperlyConfigured):
@@ -345,13 +348,14 @@ class RedlockBackend(BaseLockBackend):
         return self._majority(lambda node: node.reenter(key, owner, ttl), ttl)
 
     def release(self, key: str, owner: Owner) -> bool:
-        return self._majority(lambda node: node.release(key, owner), self.default_ttl)
+        # Also to a node busy with a take that answers late (kept): else it would hold the lock there, for nobody.
+        return self._majority(lambda node: node.release(key, owner), self.default_ttl, always=True)
 
     def extend(self, key: str, owner: Owner, ttl: float) -> bool:
         return self._majority(lambda node: node.extend(key, owner, ttl), ttl)
 
-    def _majority(self, call: Callable[[RedisBackend], bool], ttl: float) -> bool:
-        answers = self._ask(call, self._deadline(ttl), _settled(self.quorum))
+    def _majority(self, call: Callable[[RedisBackend], bool], ttl: float, always: bool = False) -> bool:
+        answers = self._ask(call, self._deadline(ttl), _settled(self.quorum), always=always)
         if sum(bool(answer) for answer in answers) >= self.quorum:
             return True
         self._answered(answers)

@@ -113,3 +113,57 @@ def test_a_task_on_a_frozen_redis_gets_backend_unavailable_in_bounded_time_witho
     monkeypatch.setattr(aio, "_pool", aio._Pool())  # a pool of its own, started by the first call it runs
     asyncio.run(main())
     assert aio._pool.executor is None, "a call went through the thread pool"
+
+
+def test_a_tasks_acquire_run_after_it_timed_out_does_not_keep_the_lock_for_its_ttl(own_redis, name):
+    """The script the task gave up on runs once the server goes on: the lock is given back, not held for 30 s."""
+    server = own_redis(REDIS_PORT + 63, SOCKET_CONNECT_TIMEOUT=1, SOCKET_TIMEOUT=0.5)
+
+    async def main():
+        lk = distlocks.alock(name, using="own", ttl=30)
+        assert await lk.acquire(wait=0)  # a connection is open: the frozen server's kernel takes the request
+        await lk.release()
+        with frozen(server), pytest.raises(distlocks.BackendUnavailable):
+            await lk.acquire(wait=0)
+        other = distlocks.alock(name, using="own", ttl=30)
+        assert await other.acquire(wait=5)  # before the fix: only after the 30 s lease
+        await other.release()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("side", ["read", "write"])
+def test_a_read_write_side_on_a_frozen_redis_gets_backend_unavailable_in_bounded_time_without_a_pool_thread(
+    own_redis, name, monkeypatch, side
+):
+    """A read-write lock's sides run their scripts natively too: a held side's release and an acquire of the same
+    side on a frozen server fail in bounded time, while the loop runs on; no call went through the pool."""
+    from distlocks import aio
+
+    server = own_redis(REDIS_PORT + 93, SOCKET_CONNECT_TIMEOUT=1, SOCKET_TIMEOUT=2)
+    ticks = []
+
+    async def main():
+        ticking = asyncio.create_task(ticker(ticks))
+        held = getattr(distlocks.aread_write_lock(name, using="own", ttl=30), side)()
+        other = getattr(distlocks.aread_write_lock(name + "-2", using="own", ttl=30), side)()
+        assert await held.acquire(wait=0)  # connections are open: the frozen server's kernel takes the requests
+        assert await held.acquire(wait=0)  # and re-entry, on the loop too
+        await held.release()
+        assert held.hold_count == 1
+        with frozen(server):
+            for call in (held.release, lambda: other.acquire(wait=0)):
+                frozen_at = time.monotonic()
+                with pytest.raises(distlocks.BackendUnavailable):
+                    await call()
+                took = time.monotonic() - frozen_at
+                assert took < 15, f"BackendUnavailable only after {took:.1f}s"  # socket timeout 2 s
+                assert ticks[-1] > time.monotonic() - 1, "the loop stalled"
+        ticking.cancel()
+        # Once Redis answers again, the other side's acquire and release go through, still on the loop.
+        assert await other.acquire(wait=5)
+        await other.release()
+
+    monkeypatch.setattr(aio, "_pool", aio._Pool())  # a pool of its own, started by the first call it runs
+    asyncio.run(main())
+    assert aio._pool.executor is None, "a call went through the thread pool"

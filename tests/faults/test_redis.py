@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from io import StringIO
 
@@ -12,11 +13,13 @@ from django_redis import get_redis_connection
 from redis.crc import key_slot
 
 import distlocks
+from distlocks.backends.redis import strays
+from distlocks.backends.redis.keys import keys_of_lock, lock_hash
 from distlocks.checks import check_distlocks
 from distlocks.handler import locks
 from localservers import REDIS_PORT
 from tests.conftest import DB, Holder
-from tests.faults.conftest import free_elsewhere
+from tests.faults.conftest import FreezableProxy, free_elsewhere, frozen
 
 pytestmark = [DB, pytest.mark.servers("redis")]
 
@@ -47,7 +50,7 @@ def test_tokens_keep_increasing_when_redis_restarts_from_a_stale_snapshot(own_re
     server.process = None
     server.start()
     client = get_redis_connection("own")
-    fence = locks["own"]._keys(locks["own"].make_key(name))[1]
+    fence = keys_of_lock(locks["own"].make_key(name))[1]
     assert int(client.get(fence)) < max(tokens)  # the counter came back, stale
     assert take(name) > max(tokens)
 
@@ -138,7 +141,7 @@ def test_every_name_is_a_lock_of_its_own_in_one_cluster_slot(own_redis):
         client, backend = get_redis_connection("own"), locks["own"]
         for lk in held:
             assert not free_elsewhere(lk.name, "own")  # each is taken
-            lock_hash, fence, queue = backend._keys(lk.key)
+            lock_hash, fence, queue = keys_of_lock(lk.key)
             assert client.exists(lock_hash, fence) == 2
             assert key_slot(lock_hash.encode()) == key_slot(fence.encode()) == key_slot(queue.encode())
         assert len({lk.token for lk in held}) == len(names)
@@ -189,3 +192,132 @@ def test_a_waiter_paused_past_its_handed_over_lease_does_not_take_the_lock_from_
     event, token = waiter.line()
     assert event == "acquired"
     assert int(token) > next_holder.token
+
+
+def voided(name):
+    """Wait until this process has voided every acquire of ``name`` whose answer it lost (the server answered)."""
+    lock_name = lock_hash(locks["own"].make_key(name))
+    deadline = time.monotonic() + 30
+    while any(stray.keys[0] == lock_name for stray in strays.pending()):
+        assert time.monotonic() < deadline, "the lost acquires were not voided"
+        time.sleep(0.02)
+
+
+def timed_out_acquire(server, lk, call="acquire"):
+    """Send ``lk``'s acquire (or ``take_detached``) to the frozen ``server``: the client gives up after its
+    0.5 s socket timeout, and the server runs the script once it goes on."""
+    send = (lambda: lk.acquire(wait=0)) if call == "acquire" else (lambda: lk.take_detached(30))
+    with frozen(server), pytest.raises(distlocks.BackendUnavailable):
+        send()
+
+
+def taken_elsewhere(name, wait):
+    """Whether another thread (another owner) takes the lock within ``wait`` seconds; it gives it back."""
+    result = []
+
+    def take():
+        other = distlocks.lock(name, using="own", ttl=30)
+        result.append(other.acquire(wait=wait))
+        if result[0]:
+            other.release()
+
+    thread = threading.Thread(target=take)
+    thread.start()
+    thread.join(wait + 30)
+    return result[0]
+
+
+def test_an_acquire_run_after_its_client_gave_up_does_not_keep_the_lock_for_its_ttl(own_redis, name, caplog):
+    server = own_redis(REDIS_PORT + 60, SOCKET_CONNECT_TIMEOUT=1, SOCKET_TIMEOUT=0.5)
+    lk = distlocks.lock(name, using="own", ttl=30)
+    with lk:
+        pass  # its connection is open: the frozen server's kernel takes the request, run when the server goes on
+    with caplog.at_level(logging.INFO, logger="distlocks.backends.redis"):
+        timed_out_acquire(server, lk)
+        assert lk.hold_count == 0
+        # Before the fix, the script took the lock for 30 s for an owner told it did not get it.
+        assert taken_elsewhere(name, wait=5)
+        voided(name)
+    assert "taken by an acquire whose answer was lost" in caplog.text  # it ran, and was given back
+    assert lk.acquire(wait=0)  # the same owner too
+    lk.release()
+
+
+def test_a_lost_acquire_leaves_the_hold_its_owner_had_already(own_redis, name):
+    """The same owner held the lock (re-entrant, or detached): the acquire it lost found it held, and its void
+    leaves the hold, with its count and token."""
+    server = own_redis(REDIS_PORT + 61, SOCKET_CONNECT_TIMEOUT=1, SOCKET_TIMEOUT=0.5)
+    lk = distlocks.lock(name, using="own", ttl=30)
+    assert lk.acquire(wait=0)
+    lk.acquire()  # held twice
+    token = lk.token
+    timed_out_acquire(server, lk, call="take_detached")  # the same owner's acquire script
+    voided(name)
+    holder = lk.holder()
+    assert (holder.token, holder.hold_count) == (token, 2)
+    assert not taken_elsewhere(name, wait=0)
+    lk.release()
+    assert not taken_elsewhere(name, wait=0)
+    lk.release()  # no LockLost: the hold was never taken away
+    assert taken_elsewhere(name, wait=0)
+
+
+def test_a_lost_acquire_leaves_another_owners_hold(own_redis, name):
+    server = own_redis(REDIS_PORT + 62, SOCKET_CONNECT_TIMEOUT=1, SOCKET_TIMEOUT=0.5)
+    holder = Holder(name, "own", ttl=30)
+    lk = distlocks.lock(name, using="own", ttl=30)
+    assert not lk.acquire(wait=0)  # opens the connection
+    timed_out_acquire(server, lk)
+    voided(name)
+    assert lk.holder().token == holder.token
+    assert not lk.acquire(wait=0)
+    assert holder.release() is None  # released, not lost
+    assert lk.acquire(wait=0)
+    lk.release()
+
+
+def test_a_lost_acquire_that_redis_py_sends_again_takes_what_its_first_run_took(own_redis, settings, name):
+    """A cache whose connections retry on a timeout (``retry_on_timeout``, a ``Retry``) sends the acquire script
+    again, with the same attempt id, when its answer was lost. The first run took the lock: the second one must
+    say so, or the owner is told it did not get the lock, nothing is voided (no error was raised), and the first
+    run's hold keeps the lock from everyone for its ttl."""
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    server = own_redis(
+        REDIS_PORT + 63,
+        SOCKET_CONNECT_TIMEOUT=1,
+        SOCKET_TIMEOUT=0.5,
+        CONNECTION_POOL_KWARGS={"retry": Retry(NoBackoff(), 1)},
+    )
+    proxy = FreezableProxy(server.port)
+    settings.CACHES = {
+        **settings.CACHES,
+        "own": {**settings.CACHES["own"], "LOCATION": f"redis://127.0.0.1:{proxy.port}/0"},
+    }
+    try:
+        lk = distlocks.lock(name, using="own", ttl=30)
+        with lk:
+            pass  # a connection open through the proxy
+        connections = len(proxy.sockets)
+
+        def thaw_at_the_retry():
+            # The answer is lost (0.5 s socket timeout): redis-py reconnects to send the script again.
+            deadline = time.monotonic() + 10
+            while len(proxy.sockets) == connections and time.monotonic() < deadline:
+                time.sleep(0.01)
+            proxy.flowing.set()
+
+        proxy.flowing.clear()
+        thawing = threading.Thread(target=thaw_at_the_retry)
+        thawing.start()
+        acquired = lk.acquire(wait=0)
+        thawing.join(15)
+        assert len(proxy.sockets) > connections, "redis-py did not retry"
+        # Before the fix: the second run found the lock held (by the first) and said "not acquired".
+        assert acquired
+        assert not taken_elsewhere(name, wait=0)
+        lk.release()
+        assert taken_elsewhere(name, wait=0)
+    finally:
+        proxy.close()

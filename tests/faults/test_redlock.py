@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
 from django_redis import get_redis_connection
 
 import distlocks
+from distlocks.backends.redis.keys import keys_of_lock
 from distlocks.backends.redlock import NODE_DEADLINE_SHARE
 from distlocks.handler import locks
 from distlocks.owner import current_owner
@@ -64,6 +66,15 @@ class Nodes:
             index
             for index in range(len(PORTS))
             if index not in self.stopped and self.client(index).exists(backend.nodes[index]._hash(key))
+        }
+
+    def held_by(self, key, secret):
+        """The indexes of the nodes where ``secret``'s owner holds the lock on ``key``."""
+        backend = locks["rl"]
+        return {
+            index
+            for index in range(len(PORTS))
+            if self.client(index).hget(backend.nodes[index]._hash(key), "owner") == secret.encode()
         }
 
     def close(self):
@@ -176,7 +187,7 @@ def test_tokens_keep_increasing_when_the_majority_changes(nodes, name, ahead):
     thaw(0)
     if ahead:
         # The counter of a node whose clock runs ``ahead`` seconds fast (tokens never go below the clock).
-        fence = backend.nodes[0]._keys(key)[1]
+        fence = keys_of_lock(key)[1]
         nodes.client(0).set(fence, (time.time_ns() // 1000) + ahead * 1_000_000)
     nodes.freeze(3, 4)
     take(20)  # only {0, 1, 2}: node 0's counter started later (or runs ahead)
@@ -236,3 +247,90 @@ def test_contending_processes_never_overlap_nor_lose_a_lock(name, workers, tmp_p
     errors = [event for event, *_ in events if event.startswith("error")]
     assert [error for error in errors if error != "error:BackendUnavailable"] == []
     assert sum(event == "enter" for event, *_ in events) > 20
+
+
+def test_the_listing_shows_the_hold_count_and_token_a_majority_shows(nodes, name):
+    backend = locks["rl"]
+    lk = distlocks.lock(name, using="rl", ttl=30)
+    assert lk.acquire(wait=0)
+    assert lk.acquire(wait=0)  # re-entered: two holds
+    _until(lambda: nodes.holding(lk.key) == {0, 1, 2, 3, 4})
+    # The node listed first lags: it has applied neither the re-entry nor the token the majority agreed on.
+    nodes.client(0).hset(backend.nodes[0]._hash(lk.key), mapping={"count": 1, "token": lk.token - 1})
+    [info] = [info for info in backend.held() if info.key == lk.key]
+    assert (info.hold_count, info.token) == (2, lk.token)
+    lk.release()
+    lk.release()
+
+
+def _settle(nodes, *indexes):
+    """Wait until these thawed nodes ran what they buffered while frozen (a new connection's command comes after)."""
+    for index in indexes:
+        nodes.client(index).ping()
+
+
+def _taken_everywhere(nodes, name, seconds):
+    """Whether another owner takes the lock on all five nodes within ``seconds`` (it gives it back)."""
+    key = locks["rl"].make_key(name)
+    result = []
+
+    def take():
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            lk = distlocks.lock(name, using="rl", ttl=30)
+            if lk.acquire(wait=0):
+                mine, given = current_owner().secret, time.monotonic() + 1.0  # a node may answer late (kept)
+                while not (everywhere := nodes.held_by(key, mine) == {0, 1, 2, 3, 4}) and time.monotonic() < given:
+                    time.sleep(0.02)
+                lk.release()
+                if everywhere:
+                    result.append(True)
+                    return
+            time.sleep(0.05)
+        result.append(False)
+
+    thread = threading.Thread(target=take)
+    thread.start()
+    thread.join(seconds + 30)
+    return result == [True]
+
+
+# A socket timeout below the freeze (the node's answer is lost) and above it (the answer comes after the thaw).
+ANSWER_LOST_OR_LATE = pytest.mark.parametrize("nodes", [1, 10], indirect=True, ids=["answer-lost", "answer-late"])
+
+
+@ANSWER_LOST_OR_LATE
+def test_a_frozen_nodes_late_take_leaves_no_stray_hold_after_the_release(nodes, name):
+    ttl = 30.0
+    key = locks["rl"].make_key(name)
+    nodes.freeze(0)
+    holder = distlocks.lock(name, using="rl", ttl=ttl)
+    assert holder.acquire(wait=0)  # node 0's take does not answer in time: held on the other four
+    _until(lambda: nodes.holding(key) == {1, 2, 3, 4})  # (the last of them may answer after the acquire)
+    assert free_elsewhere(name, "rl") is False
+    holder.release()
+    assert nodes.holding(key) == set()
+    thawed = time.monotonic()
+    nodes.thaw(0)  # the take node 0 buffered runs now, after the release
+    _settle(nodes, 0)
+    assert _taken_everywhere(nodes, name, seconds=ttl / 4), f"held on {nodes.holding(key)} after the release"
+    assert time.monotonic() - thawed < ttl / 4
+
+
+@ANSWER_LOST_OR_LATE
+def test_a_frozen_majority_fails_the_acquire_in_bounded_time_and_leaves_no_stray_hold(nodes, name):
+    ttl = 30.0
+    key = locks["rl"].make_key(name)
+    nodes.freeze(0, 1, 2)
+    lk = distlocks.lock(name, using="rl", ttl=ttl)
+    started = time.monotonic()
+    with pytest.raises(distlocks.BackendUnavailable, match="only 2 of 5 Redis nodes answer"):
+        lk.acquire(wait=0)
+    assert time.monotonic() - started < 2 * ttl * NODE_DEADLINE_SHARE + 1.0
+    assert nodes.holding(key) == set()  # what nodes 3 and 4 gave is given back
+    thawed = time.monotonic()
+    nodes.thaw(0, 1, 2)  # their buffered takes run now
+    _settle(nodes, 0, 1, 2)
+    _until(lambda: nodes.holding(key) == set(), f"left behind on {nodes.holding(key)}", seconds=ttl / 4)
+    assert _taken_everywhere(nodes, name, seconds=ttl / 4), f"held on {nodes.holding(key)}"
+    assert time.monotonic() - thawed < ttl / 4

@@ -12,14 +12,16 @@ lease keeps its locks.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from distlocks.backends.base import AsyncTurn
-from distlocks.backends.redis.aiowait import LoopReleases, QueuingBackend, RedisTurn, loop_releases
-from distlocks.backends.redis.keys import lock_hash
+from distlocks.backends.redis import strays
+from distlocks.backends.redis.aiowait import LoopReleases, RedisTurn, loop_releases
+from distlocks.backends.redis.keys import keys_of_lock, keys_of_read_write_lock, lock_hash
+from distlocks.backends.redis.protocol import QueuingBackend
 from distlocks.backends.redis.scripts import Attempt, registered
-from distlocks.backends.redis.server import connection_errors, inspected, policy_of
+from distlocks.backends.redis.server import inspected, lease_ms, policy_of
 from distlocks.exceptions import BackendUnavailable
 from distlocks.owner import Owner
 
@@ -40,8 +42,10 @@ class AsyncRedis:
             if self.server not in inspected:
                 await self._inspect(client)
             return await registered(client)[script](keys=keys, args=args)
-        except connection_errors() as exc:
-            raise self.backend._unavailable(exc) from exc
+        except BaseException as exc:  # a cancelled task's too: its acquire may run yet, and is voided
+            if strays.unanswered(exc, script, keys, args, lambda: self.backend.client):
+                raise self.backend.unavailable(exc) from exc
+            raise
 
     async def _inspect(self, client: Any) -> None:
         """The loop's look at the eviction policy, as ``RedisBackend._inspect`` (a connection error propagates)."""
@@ -72,12 +76,33 @@ class AsyncRedis:
         waiter = redis_turn.waiter
         if turn.end(acquired) is None or waiter is None:
             return
-        keys = self.backend._rw_keys(redis_turn.key) if redis_turn.mode else self.backend._keys(redis_turn.key)
+        keys = keys_of_read_write_lock(redis_turn.key) if redis_turn.mode else keys_of_lock(redis_turn.key)
         with contextlib.suppress(BackendUnavailable):
             await self._call("rw_abandon" if redis_turn.mode else "abandon", keys, [waiter.id, waiter.entry])
 
     async def reenter(self, key: str, owner: Owner, ttl: float) -> bool:
-        return bool(await self._call("reenter", [lock_hash(key)], [owner.secret, self.backend._ms(ttl)]))
+        return bool(await self._call("reenter", [lock_hash(key)], [owner.secret, lease_ms(ttl)]))
 
     async def release(self, key: str, owner: Owner) -> bool:
-        return int(await self._call("release", self.backend._keys(key), [owner.secret])) >= 0
+        return int(await self._call("release", keys_of_lock(key), [owner.secret])) >= 0
+
+
+class AsyncRedisSide(AsyncRedis):
+    """A read-write lock's side (``RedisSide``) as coroutines: its scripts on the same loop's client.
+
+    Its attempts and their end are the lock's (a side's turn names its mode);
+    re-entry and release are the side's scripts on the read-write lock's keys.
+    """
+
+    def __init__(self, backend: QueuingBackend, mode: str, lock_key: Callable[[str], str]) -> None:
+        super().__init__(backend)
+        self.mode = mode
+        self.lock_key = lock_key  # the read-write lock's key of a side's key
+
+    async def reenter(self, key: str, owner: Owner, ttl: float) -> bool:
+        keys = keys_of_read_write_lock(self.lock_key(key))
+        return bool(await self._call("rw_renew", keys, [owner.secret, lease_ms(ttl), self.mode, 1]))
+
+    async def release(self, key: str, owner: Owner) -> bool:
+        keys = keys_of_read_write_lock(self.lock_key(key))
+        return int(await self._call("rw_release", keys, [owner.secret, self.mode])) >= 0

@@ -17,12 +17,13 @@ import os
 import secrets
 import weakref
 from collections.abc import Callable
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 from distlocks.backends.base import AsyncTurn, BaseLockBackend
 from distlocks.backends.redis.handover import Waiter, give_back, pass_on
+from distlocks.backends.redis.keys import keys_of_read_write_lock
+from distlocks.backends.redis.protocol import QueuingBackend
 from distlocks.backends.redis.scripts import Attempt
-from distlocks.exceptions import BackendUnavailable
 from distlocks.owner import Owner
 
 logger = logging.getLogger(__name__)
@@ -182,39 +183,6 @@ async def _until(event: asyncio.Event, timeout: float) -> None:
         await asyncio.wait_for(event.wait(), timeout)
 
 
-class QueuingBackend(Protocol):
-    """What a task's turn and the async primitives call on ``RedisBackend`` (a protocol: this module sits below the backend, not above)."""
-
-    cache: str
-    _wait_hint: dict[str, float]
-
-    @property
-    def address(self) -> str: ...
-
-    @property
-    def client(self) -> Any: ...
-
-    def _keys(self, key: str) -> tuple[str, str, str]: ...
-
-    @staticmethod
-    def _rw_keys(key: str) -> tuple[str, str, str]: ...
-
-    @staticmethod
-    def _ms(ttl: float) -> int: ...
-
-    def _unavailable(self, exc: Exception) -> BackendUnavailable: ...
-
-    def inspected(self, policy: str | None) -> None: ...
-
-    def attempt(self, key: str, owner: Owner, ttl: float, waiter: Waiter | None) -> Attempt: ...
-
-    def rw_attempt(self, key: str, owner: Owner, ttl: float, mode: str, waiter: Waiter | None) -> Attempt: ...
-
-    def _run(self, attempt: Attempt) -> int | None: ...
-
-    def leave_queue(self, key: str, waiter: Waiter, mode: str = "") -> None: ...
-
-
 class RedisTurn(AsyncTurn):
     """A task's wait for one lock (or, with ``mode``, a read-write lock's side) on Redis, as ``RedisBackend.wait`` does a thread's."""
 
@@ -223,7 +191,7 @@ class RedisTurn(AsyncTurn):
         self.make_client = lambda: backend.client
         self.key = key
         self.mode = mode
-        self.slot = backend._rw_keys(key)[0] if mode else key  # where an attempt leaves its hint
+        self.slot = keys_of_read_write_lock(key)[0] if mode else key  # where an attempt leaves its hint
         self.releases: LoopReleases | None = None
         self.waiter: AsyncWaiter | None = None
         self.hint = 1.0  # how long the last attempt said to wait at most
@@ -231,7 +199,7 @@ class RedisTurn(AsyncTurn):
     def try_acquire(self, backend: BaseLockBackend, key: str, owner: Owner, ttl: float) -> int | None:
         # The pool thread's RedisBackend, or a read-write lock's side on it (RedisSide).
         redis = cast(QueuingBackend, getattr(backend, "backend", backend))
-        return self.attempted(redis, redis._run(self.attempt(redis, key, owner, ttl)))
+        return self.attempted(redis, redis.run(self.attempt(redis, key, owner, ttl)))
 
     def attempt(self, redis: QueuingBackend, key: str, owner: Owner, ttl: float) -> Attempt:
         """The steps of one attempt as this waiter, to run in a thread or on the loop."""
@@ -241,7 +209,7 @@ class RedisTurn(AsyncTurn):
 
     def attempted(self, redis: QueuingBackend, token: int | None) -> int | None:
         """Keep how long the attempt that gave ``token`` said to wait at most."""
-        self.hint = redis._wait_hint.pop(self.slot, 1.0)
+        self.hint = redis.wait_hint(self.slot)
         return token
 
     async def wait(self, attempt: int, remaining: float | None) -> None:

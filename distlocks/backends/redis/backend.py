@@ -13,19 +13,20 @@ from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 
 from distlocks.backends.base import AsyncPrimitives, AsyncTurn, BaseLockBackend, LockInfo
-from distlocks.backends.redis import listing
+from distlocks.backends.redis import listing, strays
 from distlocks.backends.redis.handover import Releases, Waiter, releases_for
-from distlocks.backends.redis.keys import RW_SUFFIX, lock_hash, lock_keys
+from distlocks.backends.redis.keys import acquire_keys, keys_of_lock, keys_of_read_write_lock, lock_hash
 from distlocks.backends.redis.scripts import Attempt, ScriptCall, registered
 from distlocks.backends.redis.server import (
     TIMEOUTS,
     connection_errors,
     eviction_policy,
     inspected,
+    lease_ms,
     sets_timeout,
     without_password,
 )
-from distlocks.backends.sides import ReadWriteSide
+from distlocks.backends.redis.side import RedisSide
 from distlocks.exceptions import BackendUnavailable
 from distlocks.owner import Owner
 
@@ -40,53 +41,6 @@ def _info(owner: Owner) -> str:
     return f"{int(time.time())} {owner.description}"
 
 
-class RedisSide(ReadWriteSide):
-    """A read-write lock's side: a hash of its holders and a queue (see ``ReadWriteSide`` and ``rwscripts``).
-
-    Its waiters queue as a lock's do (``RedisBackend.wait``), in the read-write lock's queue.
-    """
-
-    backend: RedisBackend
-
-    def _keys(self, key: str) -> tuple[str, str, str]:
-        return self.backend._rw_keys(self.lock_key(key))
-
-    def _call(self, script: str, key: str, args: list[Any]) -> Any:
-        return self.backend._call(script, self._keys(key), args)
-
-    def try_acquire(self, key: str, owner: Owner, ttl: float) -> int | None:
-        redis = self.backend
-        waiter = redis._waiting.get(self._keys(key)[0])
-        return redis._run(redis.rw_attempt(self.lock_key(key), owner, ttl, self.mode, waiter))
-
-    def begin_wait(self, key: str) -> None:
-        self.backend.begin_wait(self._keys(key)[0])
-
-    def wait(self, key: str, attempt: int, remaining: float | None) -> None:
-        self.backend.wait(self._keys(key)[0], attempt, remaining)
-
-    def end_wait(self, key: str, acquired: bool) -> None:
-        keys = self._keys(key)
-        self.backend._end_wait(keys[0], acquired, "rw_abandon", keys)
-
-    def async_turn(self, key: str) -> AsyncTurn:
-        from distlocks.backends.redis.aiowait import RedisTurn
-
-        return RedisTurn(self.backend, self.lock_key(key), self.mode)
-
-    def reenter(self, key: str, owner: Owner, ttl: float) -> bool:
-        return bool(self._call("rw_renew", key, [owner.secret, self.backend._ms(ttl), self.mode, 1]))
-
-    def extend(self, key: str, owner: Owner, ttl: float) -> bool:
-        return bool(self._call("rw_renew", key, [owner.secret, self.backend._ms(ttl), self.mode, 0]))
-
-    def release(self, key: str, owner: Owner) -> bool:
-        return int(self._call("rw_release", key, [owner.secret, self.mode])) >= 0
-
-    def force_release(self, key: str, token: int | None = None) -> bool:
-        return bool(self._call("rw_force_release", key, ["" if token is None else str(token)]))
-
-
 class RedisBackend(BaseLockBackend):
     """Locks as Lua-managed hashes in the Redis of a django-redis cache alias."""
 
@@ -97,8 +51,7 @@ class RedisBackend(BaseLockBackend):
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         super().__init__(alias, params)
         self.cache: str = self.options.get("CACHE", "default")
-        # This thread's waits (backend instances are per thread): the release
-        # event per key, and how long the last failed attempt said to wait.
+        # This thread's waits (instances are per thread): each key's waiter, and how long the last attempt said to wait.
         self._waiting: dict[str, Waiter] = {}
         self._wait_hint: dict[str, float] = {}
         self._client_scripts: dict[str, Any] | None = None
@@ -124,7 +77,7 @@ class RedisBackend(BaseLockBackend):
         except Exception as exc:  # InvalidCacheBackendError and friends
             raise ImproperlyConfigured(f"DISTLOCKS[{self.alias!r}]: cache {self.cache!r}: {exc}") from exc
 
-    def _unavailable(self, exc: Exception) -> BackendUnavailable:
+    def unavailable(self, exc: Exception) -> BackendUnavailable:
         return BackendUnavailable(
             f"Redis of cache {self.cache!r} for locks on {self.alias!r} is unavailable: {exc}", alias=self.alias
         )
@@ -135,9 +88,9 @@ class RedisBackend(BaseLockBackend):
         try:
             yield
         except connection_errors() as exc:
-            raise self._unavailable(exc) from exc
+            raise self.unavailable(exc) from exc
 
-    def _call(self, script: str, keys: Sequence[str], args: list[Any]) -> Any:
+    def call(self, script: str, keys: Sequence[str], args: list[Any]) -> Any:
         """Run ``script``: the lock's hot path, so without a context manager and with the scripts kept."""
         scripts = self._client_scripts
         if scripts is None:
@@ -146,37 +99,32 @@ class RedisBackend(BaseLockBackend):
             scripts = self._client_scripts = registered(client)
         try:
             return scripts[script](keys=keys, args=args)
-        except connection_errors() as exc:
-            raise self._unavailable(exc) from exc
+        except BaseException as exc:
+            if strays.unanswered(exc, script, keys, args, lambda: self.client):  # an acquire is voided
+                raise self.unavailable(exc) from exc
+            raise
 
     def _hash(self, key: str) -> str:
         return lock_hash(key)
 
-    def _keys(self, key: str) -> tuple[str, str, str]:
-        return lock_keys(lock_hash(key))
-
-    @staticmethod
-    def _ms(ttl: float) -> int:
-        return max(1, round(ttl * 1000))
-
     def try_acquire(self, key: str, owner: Owner, ttl: float) -> int | None:
-        return self._run(self.attempt(key, owner, ttl, self._waiting.get(key)))
+        return self.run(self.attempt(key, owner, ttl, self._waiting.get(key)))
 
     def try_acquire_as(self, key: str, owner: Owner, ttl: float, waiter: Waiter | None) -> int | None:
         """One attempt, by ``waiter`` if it waits (a thread's, or an async task's: see ``aiowait``)."""
-        return self._run(self.attempt(key, owner, ttl, waiter))
+        return self.run(self.attempt(key, owner, ttl, waiter))
 
     def attempt(self, key: str, owner: Owner, ttl: float, waiter: Waiter | None) -> Attempt:
         """The steps of one attempt at the lock ``key`` (see ``_attempt``)."""
-        renewal: ScriptCall = ("extend", [self._hash(key)], [owner.secret, self._ms(ttl)])
-        return self._attempt("acquire", self._keys(key), [], key, owner, ttl, waiter, renewal)
+        renewal: ScriptCall = ("extend", [self._hash(key)], [owner.secret, lease_ms(ttl)])
+        return self._attempt("acquire", acquire_keys(key), [strays.attempt_id()], key, owner, ttl, waiter, renewal)
 
-    def _run(self, attempt: Attempt) -> int | None:
+    def run(self, attempt: Attempt) -> int | None:
         """Run an attempt's script calls in the calling thread."""
         try:
             call = next(attempt)
             while True:
-                call = attempt.send(self._call(*call))
+                call = attempt.send(self.call(*call))
         except StopIteration as done:
             return done.value
 
@@ -199,7 +147,7 @@ class RedisBackend(BaseLockBackend):
         """
         if waiter is not None and waiter.token:
             return (yield from self._handed_over(waiter, ttl, renewal, waiter.token))
-        lease = self._ms(ttl)
+        lease = lease_ms(ttl)
         args += [owner.secret, lease, _info(owner)]
         if waiter is not None:
             args.append(waiter.queue_entry(owner, lease, mode))
@@ -234,13 +182,13 @@ class RedisBackend(BaseLockBackend):
         return None
 
     def reenter(self, key: str, owner: Owner, ttl: float) -> bool:
-        return bool(self._call("reenter", [self._hash(key)], [owner.secret, self._ms(ttl)]))
+        return bool(self.call("reenter", [self._hash(key)], [owner.secret, lease_ms(ttl)]))
 
     def release(self, key: str, owner: Owner) -> bool:
-        return int(self._call("release", self._keys(key), [owner.secret])) >= 0
+        return int(self.call("release", keys_of_lock(key), [owner.secret])) >= 0
 
     def extend(self, key: str, owner: Owner, ttl: float) -> bool:
-        return bool(self._call("extend", [self._hash(key)], [owner.secret, self._ms(ttl)]))
+        return bool(self.call("extend", [self._hash(key)], [owner.secret, lease_ms(ttl)]))
 
     def _releases(self) -> Releases:
         releases = self._process_releases  # kept: looked up at every acquire that may wait
@@ -283,9 +231,18 @@ class RedisBackend(BaseLockBackend):
         waiter.retry = False
 
     def end_wait(self, key: str, acquired: bool) -> None:
-        self._end_wait(key, acquired, "abandon", self._keys(key))
+        self.stop_waiting(key, acquired, "abandon", keys_of_lock(key))
 
-    def _end_wait(self, slot: str, acquired: bool, abandon: str, keys: Sequence[str]) -> None:
+    def waiter(self, slot: str) -> Waiter | None:
+        """This thread's waiter in the queue of ``slot`` (a lock's key, a read-write lock's hash), if it queued."""
+        return self._waiting.get(slot)
+
+    def wait_hint(self, slot: str) -> float:
+        """How long the last failed attempt at ``slot`` said to wait at most (forgotten once told)."""
+        return self._wait_hint.pop(slot, 1.0)
+
+    def stop_waiting(self, slot: str, acquired: bool, abandon: str, keys: Sequence[str]) -> None:
+        """End this thread's wait at ``slot``; if it did not get the lock, leave the queue of ``keys`` (by the script ``abandon``)."""
         self._wait_hint.pop(slot, None)
         waiter = self._waiting.pop(slot, None)
         if waiter is None:
@@ -297,14 +254,14 @@ class RedisBackend(BaseLockBackend):
     def leave_queue(self, key: str, waiter: Waiter, mode: str = "") -> None:
         """Take ``waiter`` out of the queue of the lock (of the read-write lock, with ``mode``), passing on what a release handed it meanwhile."""
         if mode:
-            self._leave("rw_abandon", self._rw_keys(key), waiter)
+            self._leave("rw_abandon", keys_of_read_write_lock(key), waiter)
         else:
-            self._leave("abandon", self._keys(key), waiter)
+            self._leave("abandon", keys_of_lock(key), waiter)
 
     def _leave(self, abandon: str, keys: Sequence[str], waiter: Waiter) -> None:
         if waiter.entry:
             with contextlib.suppress(BackendUnavailable):
-                self._call(abandon, keys, [waiter.id, waiter.entry])
+                self.call(abandon, keys, [waiter.id, waiter.entry])
 
     def async_turn(self, key: str) -> AsyncTurn:
         from distlocks.backends.redis.aiowait import RedisTurn
@@ -322,15 +279,10 @@ class RedisBackend(BaseLockBackend):
 
     # -- read-write locks (their sides: RedisSide) ---------------------------------
 
-    @staticmethod
-    def _rw_keys(key: str) -> tuple[str, str, str]:
-        """A read-write lock's hash, fencing counter and queue; the hash's name is also its slot in ``_waiting``."""
-        return lock_keys(lock_hash(key) + RW_SUFFIX)
-
     def rw_attempt(self, key: str, owner: Owner, ttl: float, mode: str, waiter: Waiter | None) -> Attempt:
         """One attempt at the ``mode`` side of the read-write lock ``key``, by ``waiter`` if it waits (see ``attempt``)."""
-        keys = self._rw_keys(key)
-        renewal: ScriptCall = ("rw_renew", keys, [owner.secret, self._ms(ttl), mode, 0])
+        keys = keys_of_read_write_lock(key)
+        renewal: ScriptCall = ("rw_renew", keys, [owner.secret, lease_ms(ttl), mode, 0])
         return self._attempt("rw_acquire", keys, [mode], keys[0], owner, ttl, waiter, renewal, mode)
 
     # -- inspection and maintenance --------------------------------------------
@@ -345,12 +297,12 @@ class RedisBackend(BaseLockBackend):
             return listing.lock_info(self.client, self.alias, lock_hash(key))
 
     def force_release(self, key: str, token: int | None = None) -> bool:
-        return bool(self._call("force_release", self._keys(key), ["" if token is None else token]))
+        return bool(self.call("force_release", keys_of_lock(key), ["" if token is None else token]))
 
     def take_at_least(self, key: str, owner: Owner, ttl: float, least: int) -> int | None:
         """Take a free lock once, with a token of at least ``least``; its token, or None (Redlock's nodes)."""
         token = int(
-            self._call("acquire_at_least", self._keys(key)[:2], [owner.secret, self._ms(ttl), _info(owner), least])
+            self.call("acquire_at_least", keys_of_lock(key)[:2], [owner.secret, lease_ms(ttl), _info(owner), least])
         )
         return token or None
 
@@ -360,7 +312,7 @@ class RedisBackend(BaseLockBackend):
         Redlock calls it on a majority that gave smaller tokens, so that any
         later majority, which shares a node with this one, gives a larger token.
         """
-        return bool(self._call("raise_token", self._keys(key)[:2], [owner.secret, token]))
+        return bool(self.call("raise_token", keys_of_lock(key)[:2], [owner.secret, token]))
 
     def clear_expired(self, dry_run: bool = False) -> int:
         """Delete fencing counters of locks (and read-write locks) not held (tokens still grow: they restart from the clock)."""

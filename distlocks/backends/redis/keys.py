@@ -36,3 +36,23 @@ def key_of(name: str) -> str:
 def lock_keys(name: str) -> tuple[str, str, str]:
     """A lock's hash, fencing counter and waiters' queue, from the hash's name."""
     return name, f"{name}:fence", f"{name}:queue"
+
+
+@functools.lru_cache(maxsize=4096)  # built at every acquire
+def acquire_keys(key: str) -> tuple[str, str, str, str]:
+    """The keys of the lock ``key`` as its acquire script gets them: ``lock_keys`` and the attempts voided (``strays``)."""
+    name = lock_hash(key)
+    return (*lock_keys(name), f"{name}:void")
+
+
+def keys_of_lock(key: str) -> tuple[str, str, str]:
+    """The hash, fencing counter and waiters' queue of the lock ``key``."""
+    return lock_keys(lock_hash(key))
+
+
+def keys_of_read_write_lock(key: str) -> tuple[str, str, str]:
+    """The hash, fencing counter and waiters' queue of the read-write lock ``key`` (both its sides).
+
+    The hash's name is also the slot of the lock's waits (``RedisBackend.waiter``).
+    """
+    return lock_keys(lock_hash(key) + RW_SUFFIX)

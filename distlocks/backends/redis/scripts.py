@@ -32,7 +32,7 @@ Attempt = Generator[ScriptCall, Any, int | None]
 # larger as long as the server's clock does not go back; when it does (or two
 # takes fall in one microsecond), the counter counts on from the last token.
 TAKE = """
-local function take(secret, lease, info, least)
+local function take(secret, lease, info, least, attempt)
   local clock = redis.call('TIME')
   local token = clock[1] .. string.format('%06d', clock[2])
   if least and tonumber(least) > tonumber(token) then token = least end
@@ -41,7 +41,11 @@ local function take(secret, lease, info, least)
     redis.call('SET', KEYS[2], last)
     token = redis.call('INCR', KEYS[2])
   end
-  redis.call('HSET', KEYS[1], 'owner', secret, 'count', 1, 'token', token, 'info', info)
+  if attempt then
+    redis.call('HSET', KEYS[1], 'owner', secret, 'count', 1, 'token', token, 'info', info, 'attempt', attempt)
+  else
+    redis.call('HSET', KEYS[1], 'owner', secret, 'count', 1, 'token', token, 'info', info)
+  end
   redis.call('PEXPIRE', KEYS[1], lease)
   return tonumber(token)
 end
@@ -70,31 +74,37 @@ end
 """
 )
 
-# KEYS[1] the lock hash, KEYS[2] its fencing counter, KEYS[3] its waiters' queue
-# ARGV[1] the owner's secret, ARGV[2] the lease in ms, ARGV[3] the info; if it waits:
-# ARGV[4] its queue entry, where it queues when not acquired, and ARGV[5] (any value)
-# if an earlier attempt queued it
+# KEYS[1] the lock hash, KEYS[2] its fencing counter, KEYS[3] its waiters' queue, KEYS[4] the attempts voided
+# ARGV[1] the attempt's id (unique), ARGV[2] the owner's secret, ARGV[3] the lease in ms, ARGV[4] the info;
+# if it waits: ARGV[5] its queue entry, where it queues when not acquired, and ARGV[6] (any value) if an
+# earlier attempt queued it
 # return the token when acquired; when not, minus the ms to wait at most (one integer: cheaper to read)
+# The hash of a lock it gives (taken, or handed over to it) shows the attempt's id: an attempt whose answer
+# was lost is voided by VOID, which gives back what it took, or makes it do nothing if it has not run yet.
 ACQUIRE = (
     TAKE
     + """
+if redis.call('ZSCORE', KEYS[4], ARGV[1]) then return -1 end
 if redis.call('EXISTS', KEYS[1]) == 0 then
-  if ARGV[5] then redis.call('ZREM', KEYS[3], ARGV[4]) end
-  return take(ARGV[1], ARGV[2], ARGV[3])
+  if ARGV[6] then redis.call('ZREM', KEYS[3], ARGV[5]) end
+  return take(ARGV[2], ARGV[3], ARGV[4], nil, ARGV[1])
 end
 local lease_left = redis.call('PTTL', KEYS[1])
 if lease_left < 1 then lease_left = lease_left < 0 and 1000 or 1 end  -- no lease (set by hand): look again in 1 s
-if not ARGV[4] then return -lease_left end
-local granted, token = unpack(redis.call('HMGET', KEYS[1], 'granted', 'token'))
-if granted == string.match(ARGV[4], '^[^|]*|([^|]*)|') then
+local attempt, granted, token = unpack(redis.call('HMGET', KEYS[1], 'attempt', 'granted', 'token'))
+-- This attempt ran already (the client's driver sent it again when its answer was lost): what it took is its.
+if attempt == ARGV[1] then return tonumber(token) end
+if not ARGV[5] then return -lease_left end
+if granted == string.match(ARGV[5], '^[^|]*|([^|]*)|') then
   -- Handed to this waiter by a release whose message it has not read yet.
   redis.call('HDEL', KEYS[1], 'granted')
+  redis.call('HSET', KEYS[1], 'attempt', ARGV[1])
   return tonumber(token)
 end
 local clock = redis.call('TIME')
-redis.call('ZADD', KEYS[3], 'NX', clock[1] * 1000 + math.floor(clock[2] / 1000), ARGV[4])
+redis.call('ZADD', KEYS[3], 'NX', clock[1] * 1000 + math.floor(clock[2] / 1000), ARGV[5])
 -- The queue outlives the lease this waiter will sleep through at most.
-local keep = math.max(lease_left, tonumber(ARGV[2])) + 60000
+local keep = math.max(lease_left, tonumber(ARGV[3])) + 60000
 if redis.call('PTTL', KEYS[3]) < keep then redis.call('PEXPIRE', KEYS[3], keep) end
 return -lease_left
 """
@@ -137,6 +147,33 @@ ABANDON = (
     + """
 if ARGV[2] ~= '' then redis.call('ZREM', KEYS[3], ARGV[2]) end
 if redis.call('HGET', KEYS[1], 'granted') == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  pass_on()
+  return 1
+end
+if redis.call('EXISTS', KEYS[1]) == 0 then pass_on() end
+return 0
+"""
+)
+
+# KEYS as ACQUIRE's. An acquire whose answer was lost (a timeout, a broken connection, an interrupt) may
+# run later, or have run: ARGV[1] its id, ARGV[2] the owner's secret, ARGV[3] how long (ms) to remember
+# the id: if it runs meanwhile it does nothing; ARGV[4] its queue entry ('' if none), which leaves the queue.
+# A lock it took, or that was handed over to its waiter, is released and passed on, unless the hash shows
+# another attempt or owner (held before, or taken anew since) or more than one hold (re-entered).
+# return 1 if it released a lock
+VOID = (
+    PASS_ON
+    + """
+local clock = redis.call('TIME')
+local now = clock[1] * 1000 + math.floor(clock[2] / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
+redis.call('ZADD', KEYS[4], now + tonumber(ARGV[3]), ARGV[1])
+if redis.call('PTTL', KEYS[4]) < tonumber(ARGV[3]) then redis.call('PEXPIRE', KEYS[4], ARGV[3]) end
+if ARGV[4] ~= '' then redis.call('ZREM', KEYS[3], ARGV[4]) end
+local owner, attempt, count, granted = unpack(redis.call('HMGET', KEYS[1], 'owner', 'attempt', 'count', 'granted'))
+local waiter = string.match(ARGV[4], '^[^|]*|([^|]*)|')
+if (owner == ARGV[2] and attempt == ARGV[1] and count == '1') or (waiter and granted == waiter) then
   redis.call('DEL', KEYS[1])
   pass_on()
   return 1
@@ -195,6 +232,7 @@ SCRIPTS = {
     "reenter": REENTER,
     "release": RELEASE,
     "abandon": ABANDON,
+    "void": VOID,
     "extend": EXTEND,
     "force_release": FORCE_RELEASE,
     "raise_token": RAISE_TOKEN,

@@ -40,6 +40,11 @@ def without_password(url: str) -> str:
     return urllib.parse.urlunsplit(parts._replace(netloc=netloc)) if netloc != parts.netloc else url
 
 
+def lease_ms(ttl: float) -> int:
+    """A lease of ``ttl`` seconds as the scripts take it: whole milliseconds, at least one."""
+    return max(1, round(ttl * 1000))
+
+
 # The servers whose eviction policy this process has looked at (at their first use).
 inspected: set[tuple[str, str]] = set()
 

@@ -10,11 +10,12 @@ from typing import Any
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 
-from distlocks.backends.base import BaseLockBackend, LockInfo, check_positive_number
+from distlocks.backends.base import AsyncTurn, BaseLockBackend, LockInfo, check_positive_number
 from distlocks.backends.sides import ReadWriteSide
 from distlocks.backends.zookeeper.inspection import Inspection
 from distlocks.backends.zookeeper.nodes import escape, new_mark, new_rw_mark, queue, rw_blockers, rw_queue, sequence
 from distlocks.backends.zookeeper.session import Session, shared_session
+from distlocks.backends.zookeeper.turn import ZooKeeperTurn
 from distlocks.exceptions import BackendUnavailable
 from distlocks.owner import Owner
 
@@ -28,6 +29,7 @@ class ZooKeeperSide(ReadWriteSide):
     blocks the readers that come after it. The write holder's reads queue as
     "downgrade-...", held at once, and later writers wait for them too. A
     thread's hold of one side is kept, as the lock's, under "<key>#<mode>".
+    A task's node stays queued between its attempts too (``ZooKeeperTurn``).
     """
 
     backend: ZooKeeperBackend
@@ -56,17 +58,25 @@ class ZooKeeperSide(ReadWriteSide):
 
     def wait(self, key: str, attempt: int, remaining: float | None) -> None:
         """Wait for the deletion of the last node that keeps ours waiting (at most ``remaining`` seconds)."""
+        blocker = self.blocker(key)
+        if blocker is not None:
+            self.backend._wait_gone(blocker, remaining)
+
+    def blocker(self, key: str) -> str | None:
+        """The last node that keeps our queued node waiting, to watch; None: try again now."""
         zk, lock = self.backend, self.lock_key(key)
         queued = zk._queued.get(key)
         if queued is None:
-            return
+            return None
         children = rw_queue(zk._request("get_children", zk._parent(lock)))
         mine = queued[0].rsplit("/", 1)[1]
         if mine not in children:
-            return  # gone with a lost session: the next attempt queues again
+            return None  # gone with a lost session: the next attempt queues again
         blockers = rw_blockers(children, mine)
-        if blockers:
-            zk._wait_gone(f"{zk._parent(lock)}/{blockers[-1]}", remaining)
+        return f"{zk._parent(lock)}/{blockers[-1]}" if blockers else None
+
+    def async_turn(self, key: str) -> AsyncTurn:
+        return ZooKeeperTurn(key)
 
     def begin_wait(self, key: str) -> None:
         """Nothing to record: a writer's queued node is what keeps later readers waiting."""
@@ -194,17 +204,24 @@ class ZooKeeperBackend(BaseLockBackend):
 
     def wait(self, key: str, attempt: int, remaining: float | None) -> None:
         """Wait for the deletion of the node just below ours (at most ``remaining`` seconds)."""
+        blocker = self.blocker(key)
+        if blocker is not None:
+            self._wait_gone(blocker, remaining)
+
+    def blocker(self, key: str) -> str | None:
+        """The node just below our queued node, to watch; None: try again now."""
         queued = self._queued.get(key)
         if queued is None:
-            return
-        node = queued[0]
+            return None
         children = queue(self._request("get_children", self._parent(key)))
-        mine = node.rsplit("/", 1)[1]
+        mine = queued[0].rsplit("/", 1)[1]
         if mine not in children:
-            return  # gone with a lost session: the next attempt queues again
+            return None  # gone with a lost session: the next attempt queues again
         below = [child for child in children if sequence(child) < sequence(mine)]
-        if below:
-            self._wait_gone(f"{self._parent(key)}/{below[-1]}", remaining)
+        return f"{self._parent(key)}/{below[-1]}" if below else None
+
+    def async_turn(self, key: str) -> AsyncTurn:
+        return ZooKeeperTurn(key)
 
     def _wait_gone(self, node: str, remaining: float | None) -> None:
         """Wait until ``node`` is deleted, at most ``remaining`` seconds and at most a second."""
@@ -217,14 +234,18 @@ class ZooKeeperBackend(BaseLockBackend):
     def end_wait(self, key: str, acquired: bool) -> None:
         queued = self._queued.pop(key, None)
         if queued is not None and not acquired:
-            from kazoo.exceptions import NoNodeError
+            self.leave(queued[0])
 
-            try:
-                self._request("delete", queued[0])
-            except NoNodeError:
-                pass  # gone with its session
-            except BackendUnavailable:
-                self._session().orphan(queued[0])
+    def leave(self, node: str) -> None:
+        """Delete our queued ``node`` (a waiter that gives up): at once, or as soon as the connection allows."""
+        from kazoo.exceptions import NoNodeError
+
+        try:
+            self._request("delete", node)
+        except NoNodeError:
+            pass  # gone with its session
+        except BackendUnavailable:
+            self._session().orphan(node)
 
     def _forget(self, key: str, owner: Owner) -> list[Any] | None:
         """Stop counting ``owner``'s hold of ``key`` (the core marks it lost); return its entry."""

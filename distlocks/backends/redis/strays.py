@@ -1,0 +1,168 @@
+"""Acquires whose answer was lost, voided once the server answers again: no stray hold blocks a lock for a lease.
+
+An acquire script sent to a server that did not answer in time (frozen,
+overloaded, a network that held the request) may still run once the server
+goes on, after the client gave up (``BackendUnavailable``) or was interrupted:
+it would take the lock for an owner that was told it did not get it, and hold
+it, renewed by nobody, until its lease ran out. So every acquire carries an id
+of its own, which the hash of a lock it takes (or is handed over) shows, and
+an acquire whose call raised anything but the server's own error is voided
+(the ``VOID`` script) by a thread of this process, one per server, again and
+again until the server answers. Voiding gives back what the attempt took, if
+it ran and nobody took the lock anew or re-entered it since, and makes it do
+nothing if it runs later (the server remembers the id for its lease plus a
+minute). It never touches a hold the owner had before, nor anyone else's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeGuard
+
+from distlocks.backends.redis.scripts import registered
+from distlocks.backends.redis.server import connection_errors
+
+logger = logging.getLogger(__name__)
+
+# A void that could not reach the server is tried again after this many seconds (besides the call's own timeout)...
+RETRY_INTERVAL = 0.2
+# ... until it is this old: a server away longer than that has most likely dropped the request with its connection.
+GIVE_UP = 600.0
+# The server remembers a voided attempt's id for its lease plus this (ms): the request may reach it late.
+REMEMBERED_MS = 60_000
+
+
+class _Ids:
+    """Attempt ids unique across processes: a random prefix (new in a forked child) and a counter."""
+
+    def __init__(self) -> None:
+        self.prefix = secrets.token_hex(6)
+        self.counter = itertools.count(1)
+
+
+_ids = _Ids()
+
+
+def attempt_id() -> str:
+    """A new id for one acquire script call (``next`` on a counter is atomic: no lock)."""
+    return f"{_ids.prefix}.{next(_ids.counter)}"
+
+
+@dataclass(eq=False)
+class Stray:
+    """An acquire whose answer was lost: the client to void it on, the lock's keys and the VOID script's arguments."""
+
+    client: Any
+    keys: Sequence[str]
+    args: list[Any]
+    since: float = field(default_factory=time.monotonic)
+
+
+class Voids:
+    """One server's strays (one connection pool's), voided in order by a daemon thread that runs while any is pending.
+
+    A server that does not answer holds up its own strays only.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.pending: list[Stray] = []
+        self.wake = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def add(self, stray: Stray) -> None:
+        with self.lock:
+            self.pending.append(stray)
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._loop, name="distlocks-redis-voids", daemon=True)
+                self.thread.start()
+        self.wake.set()
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                self._round()
+            except Exception:  # a daemon thread: log, and try again later
+                logger.exception("distlocks: unexpected error while voiding lost acquires")
+            with self.lock:
+                if not self.pending:
+                    self.thread = None
+                    return
+            self.wake.wait(RETRY_INTERVAL)
+            self.wake.clear()
+
+    def _round(self) -> None:
+        """Void the strays in order, until the server does not answer (the rest wait for the next round)."""
+        with self.lock:
+            strays = list(self.pending)
+        for stray in strays:
+            try:
+                released = registered(stray.client)["void"](keys=stray.keys, args=stray.args)
+            except connection_errors() as exc:
+                if time.monotonic() - stray.since < GIVE_UP:
+                    return
+                logger.warning("Gave up voiding an acquire of %s whose answer was lost: %s", stray.keys[0], exc)
+            except Exception as exc:
+                logger.warning("Could not void an acquire of %s whose answer was lost: %s", stray.keys[0], exc)
+            else:
+                if released:
+                    logger.info("Gave back %s, taken by an acquire whose answer was lost", stray.keys[0])
+            with self.lock:
+                self.pending.remove(stray)
+
+
+# Each server's strays, by its connection pool (django-redis shares one per server among threads).
+_voids: dict[Any, Voids] = {}
+_voids_lock = threading.Lock()
+
+
+def pending() -> list[Stray]:
+    """The strays not voided yet, of every server."""
+    with _voids_lock:
+        servers = list(_voids.values())
+    return [stray for voids in servers for stray in list(voids.pending)]
+
+
+def unanswered(
+    error: BaseException, script: str, keys: Sequence[str], args: list[Any], client: Callable[[], Any]
+) -> TypeGuard[Exception]:
+    """After a script call raised ``error``: void it if it was an acquire that the server may run still.
+
+    Return whether ``error`` is the driver's for a server it could not reach
+    (the caller raises BackendUnavailable). A ``ResponseError`` is the server's
+    answer (the script failed there): nothing to void.
+    """
+    unreachable = isinstance(error, connection_errors())
+    if script != "acquire":
+        return unreachable
+    from redis.exceptions import ResponseError
+
+    if isinstance(error, ResponseError):
+        return unreachable
+    attempt, secret, lease = args[0], args[1], args[2]
+    entry = args[4] if len(args) > 4 else ""
+    try:
+        stray = Stray(client(), keys, [attempt, secret, int(lease) + REMEMBERED_MS, entry])
+    except Exception as exc:  # no client to void it on: its lease ends it
+        logger.warning("Cannot void an acquire of %s whose answer was lost: %s", keys[0], exc)
+    else:
+        with _voids_lock:
+            voids = _voids.setdefault(getattr(stray.client, "connection_pool", stray.client), Voids())
+        voids.add(stray)
+    return unreachable
+
+
+def _reset_after_fork() -> None:
+    """A forked child voids nothing of its parent's (the parent does), and draws ids of its own."""
+    global _voids, _voids_lock, _ids
+    _voids, _voids_lock, _ids = {}, threading.Lock(), _Ids()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
