@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import pytest
@@ -107,4 +108,39 @@ def test_cleanup_deletes_the_places_of_waiters_that_crashed(alias, name):
     # An expired place holds up nobody, and the cleanup deletes it.
     assert in_thread(lambda: distlocks.lock(name, using=alias).acquire(wait=0)) is True
     locks[alias].clear_expired()
+    assert places_queued(alias, name) == 0
+
+
+@pytest.mark.parametrize("alias", DB_ALIASES, indirect=True)
+def test_a_waiter_that_took_the_lock_leaves_no_place_when_its_lease_was_lost(alias, name):
+    # On MariaDB a waiter that took the lock keeps its place until its release deletes both:
+    # a release that finds the lock gone (forced, here) deletes the place all the same.
+    import threading
+
+    from distlocks.exceptions import LockLost
+
+    holder = distlocks.lock(name, using=alias)
+    holder.acquire()
+    taken, answer = threading.Event(), []
+
+    def wait_then_lose() -> None:
+        waiter = distlocks.lock(name, using=alias, wait=20)
+        assert waiter.acquire()
+        taken.set()
+        assert locks[alias].force_release(waiter.key)
+        try:
+            waiter.release()
+        except LockLost as exc:
+            answer.append(exc)
+
+    thread = threading.Thread(target=wait_then_lose)
+    thread.start()
+    deadline = timezone.now() + timedelta(seconds=30)
+    while places_queued(alias, name) != 1:
+        assert timezone.now() < deadline, "the waiter did not queue"
+        time.sleep(0.01)
+    holder.release()
+    assert taken.wait(20)
+    thread.join(20)
+    assert len(answer) == 1
     assert places_queued(alias, name) == 0

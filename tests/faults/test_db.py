@@ -415,12 +415,17 @@ def test_release_notifies_the_lock_channel_on_postgresql_only_while_a_waiter_is_
         alone.acquire()
         awaited.acquire()
         later = datetime.now(timezone.utc) + timedelta(seconds=60)
-        LockWaiter.objects.using(backend.database).create(lock_name=awaited.key, expires_at=later)
+        earlier = datetime.now(timezone.utc) - timedelta(seconds=1)
+        queue = LockWaiter.objects.using(backend.database)
+        queue.create(lock_name=awaited.key, expires_at=earlier)  # a place that ran out: not the first any more
+        first = queue.create(lock_name=awaited.key, expires_at=later)
+        queue.create(lock_name=awaited.key, expires_at=later)
         alone.release()
         awaited.release()
-        # Notifications come in the order of the commits: the first is the awaited lock's.
+        # Notifications come in the order of the commits: the first is the awaited lock's,
+        # and it names the first live place, the one waiter that is to try (the others sleep on).
         notifications = list(listener.connection.notifies(timeout=10, stop_after=1))
-        assert [n.channel for n in notifications][:1] == [channel(awaited.key)]
+        assert [(n.channel, n.payload) for n in notifications][:1] == [(channel(awaited.key), str(first.pk))]
     finally:
         listener.close()
         backend.clear_expired()

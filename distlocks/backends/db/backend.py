@@ -19,7 +19,7 @@ from django.db.models.expressions import RawSQL
 from distlocks.backends.base import LockInfo, deadline_after
 from distlocks.backends.db import rw
 from distlocks.backends.db.connections import execute, in_memory, missing_database
-from distlocks.backends.db.notify import channel
+from distlocks.backends.db.notify import batches, channel
 from distlocks.backends.db.queue import POLL_FIRST, POLL_MAX, QueuedBackend, sleep
 from distlocks.backends.db.statements import sql_for
 from distlocks.backends.sides import ReadWriteSide
@@ -137,10 +137,16 @@ class DatabaseBackend(QueuedBackend):
             params = [*owned, key, queued_as]
             leaving = place is not None and sql.insert_leaving is not None
             statement = sql.insert_leaving if leaving else sql.insert
+            # A listening waiter's attempt stops listening in the same round trip (it listens again if it lost).
+            unlisten = leaving and self._listening.get(key) is connection.connection and batches(connection)
+            if unlisten:
+                statement = f'{statement}; UNLISTEN "{channel(key)}"'
             for _ in range(2):
                 try:
                     with connection.cursor() as cursor:
                         cursor.execute(statement, [*params, queued_as] if leaving else params)
+                        if unlisten:
+                            self._listening.pop(key, None)
                         if sql.returning:
                             row = cursor.fetchone()
                             if row is not None and leaving:
@@ -168,12 +174,19 @@ class DatabaseBackend(QueuedBackend):
         def attempt(connection: BaseDatabaseWrapper) -> bool:
             sql = sql_for(connection)
             mine = [key, owner.secret]
-            if execute(connection, sql.release_last, [*mine, channel(key)] if sql.notifies else mine):
+            kept = self._kept.get(key)
+            if kept is not None and sql.release_leaving is not None:
+                if execute(connection, sql.release_leaving, [kept, *mine]):
+                    del self._kept[key]
+                    return True
+            elif execute(connection, sql.release_last, [*mine, channel(key)] if sql.notifies else mine):
                 return True
             if execute(connection, sql.release_one, [key, owner.secret]):
                 return True
-            # The lease is gone; drop our expired row, if it is still there.
+            # The lease is gone; drop our expired row, if it is still there, and the place we kept.
             execute(connection, sql.drop_mine, [key, owner.secret])
+            if self._kept.pop(key, None) is not None:
+                execute(connection, sql.dequeue, [kept])
             return False
 
         return self._run(attempt)

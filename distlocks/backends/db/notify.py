@@ -50,6 +50,11 @@ def own_session(connection: BaseDatabaseWrapper, database: str, open_other: Call
     return _own_sessions[database]
 
 
+def known_own_session(database: str) -> bool:
+    """True if ``own_session`` has already found that ``database``'s connections have sessions of their own."""
+    return _own_sessions.get(database, False)
+
+
 def _session(connection: BaseDatabaseWrapper) -> int:
     with connection.cursor() as cursor:
         cursor.execute("SELECT pg_backend_pid()")
@@ -62,15 +67,25 @@ def _notifies_take_timeout(connection_class: Any) -> bool:
     return _takes_timeout[connection_class]
 
 
-def notified(raw: Any, timeout: float) -> bool:
-    """Wait up to ``timeout`` seconds for a notification on psycopg connection ``raw``; True if one came.
+def notified(raw: Any, timeout: float) -> set[str] | None:
+    """Wait up to ``timeout`` seconds for notifications on psycopg connection ``raw``; return their payloads.
 
-    One that came while the connection ran other statements counts, and so
-    does a connection that failed: the next look finds out, and reconnects.
+    Ones that came while the connection ran other statements count. None
+    means the connection failed: the next look finds out, and reconnects.
     """
     import psycopg
 
     try:
-        return bool(list(raw.notifies(timeout=timeout, stop_after=1)))
+        first = list(raw.notifies(timeout=timeout, stop_after=1))
+        if not first:
+            return set()
+        # Any others already here come with it (a backlog of earlier releases): no wait for them.
+        return {notify.payload for notify in [*first, *raw.notifies(timeout=0)]}
     except psycopg.Error:
-        return True
+        return None
+
+
+def batches(connection: BaseDatabaseWrapper) -> bool:
+    """True if ``connection`` binds parameters on the client (Django's default), so that one ``execute()``
+    can carry a LISTEN or UNLISTEN with a statement: one round trip, not two."""
+    return not (connection.settings_dict.get("OPTIONS") or {}).get("server_side_binding")

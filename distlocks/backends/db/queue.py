@@ -22,14 +22,15 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from distlocks.backends.base import AsyncTurn, BaseLockBackend, deadline_after
 from distlocks.backends.db.connections import OwnConnectionBackend, execute, open_like
-from distlocks.backends.db.notify import can_listen, channel, notified, own_session
+from distlocks.backends.db.notify import batches, can_listen, channel, known_own_session, notified, own_session
 from distlocks.backends.db.statements import sql_for
 from distlocks.exceptions import BackendUnavailable
 from distlocks.owner import Owner
 
-# Waiters poll from 1 ms, doubling up to 4 ms between reads, 4 ms more for each
-# waiter ahead, and 20 ms at most. The first in the queue, which takes the lock
-# next, polls every 1 ms for its first 50 ms there, then backs off likewise.
+# Waiters poll from 1 ms, doubling up to 4 ms between reads for each waiter
+# ahead, and 20 ms at most. The first two in the queue, the next to take the
+# lock and the one after it, poll every 1 ms for their first 50 ms there, then
+# back off likewise.
 POLL_FIRST = 0.001
 _HEAD_POLL_MAX = 0.004
 _HEAD_FAST = 0.05
@@ -112,6 +113,7 @@ class QueuedBackend(OwnConnectionBackend):
         super().__init__(alias, params)
         self._places: dict[str, Place] = {}  # this thread's (backend instances are per thread)
         self._listening: dict[str, Any] = {}  # key: the psycopg connection that LISTENs for its releases
+        self._kept: dict[str, int] = {}  # key: the place of a lock this thread took, left at its release (MySQL)
 
     def wait(self, key: str, attempt: int, remaining: float | None) -> None:
         """Wait in the lock's queue until it looks free and no live waiter is ahead, at most ``remaining`` seconds.
@@ -119,18 +121,18 @@ class QueuedBackend(OwnConnectionBackend):
         The first call queues this thread (a row with a growing id); then it
         polls with a plain SELECT, which takes no row or gap locks (MVCC on
         InnoDB and PostgreSQL, WAL readers on SQLite), so waiters never get in
-        the holder's way. The first in the queue polls most often, as it is the
-        one to take the lock next; the place is renewed every third of its lease.
-        On PostgreSQL it waits for the release's notification between looks
-        instead (see ``notify``).
+        the holder's way. The first two in the queue poll most often, as they
+        take the lock next; the place is renewed every third of its lease. On
+        PostgreSQL a waiter waits between looks for a release's notification
+        that names its place (see ``notify``).
         """
         if self._using() != self._connection_alias:
             self._poll(key, remaining)  # SQLite inside the caller's transaction: nobody else can write anyway
             return
         deadline = deadline_after(remaining)
-        place = self._places.get(key) or self._enqueue(key)
+        place = self._places.get(key) or self._enqueue(key, listen=True)
         delay = POLL_FIRST
-        head_since: float | None = None
+        near_since: float | None = None
         while True:
             if time.monotonic() - place.renewed > WAITER_LEASE / 3:
                 place = self._stay_queued(key, place)
@@ -146,20 +148,45 @@ class QueuedBackend(OwnConnectionBackend):
             if not live and not ahead:
                 return
             if listening is not None:
-                pause = _LISTEN_POLL if deadline is None else min(_LISTEN_POLL, deadline - time.monotonic())
-                if pause <= 0:
+                if self._hear(listening, place.id, deadline):
                     return
-                if notified(listening, pause) and not ahead:
-                    return  # released: the first in the queue tries at once
                 continue
-            if ahead:
-                head_since = None
-                delay = min(delay * 2, _HEAD_POLL_MAX * (ahead + 1), POLL_MAX)
+            if ahead > 1:
+                near_since = None
+                delay = min(delay * 2, _HEAD_POLL_MAX * ahead, POLL_MAX)
             else:
-                head_since = head_since or time.monotonic()
-                delay = min(delay * 2, POLL_MAX) if time.monotonic() - head_since > _HEAD_FAST else POLL_FIRST
+                # The next to take the lock, or the one after it: the first takes the lock within
+                # a look of a release, so the second must be looking by then, not in a long sleep.
+                near_since = near_since or time.monotonic()
+                delay = min(delay * 2, POLL_MAX) if time.monotonic() - near_since > _HEAD_FAST else POLL_FIRST
             if not sleep(delay, deadline):
                 return
+
+    def _keeps_place(self) -> bool:
+        return sql_for(connections[self._connection_alias]).release_leaving is not None
+
+    @staticmethod
+    def _hear(listening: Any, place: int, deadline: float | None) -> bool:
+        """Wait for a release that names ``place`` the first in the queue, or the time for the next look.
+
+        True: try at once (named, or the deadline passed: the core's loop ends
+        it); False: look. A release names the first live waiter only, so the
+        others sleep on through it instead of all looking (no herd).
+        """
+        look_at = time.monotonic() + _LISTEN_POLL
+        while True:
+            pause = look_at - time.monotonic()
+            if deadline is not None and deadline - time.monotonic() < pause:
+                pause = deadline - time.monotonic()
+                if pause <= 0:
+                    return True
+            if pause <= 0:
+                return False
+            payloads = notified(listening, pause)
+            if payloads is None or "" in payloads:  # a failed connection, or a release that named nobody
+                return False
+            if str(place) in payloads:
+                return True
 
     @staticmethod
     def _look(key: str, place: int, connection: BaseDatabaseWrapper) -> tuple[int, int]:
@@ -194,11 +221,25 @@ class QueuedBackend(OwnConnectionBackend):
         listening = self._listening[key] = connections[self._connection_alias].connection
         return listening
 
-    def _enqueue(self, key: str) -> Place:
+    def _enqueue(self, key: str, listen: bool = False) -> Place:
+        """Queue for ``key``; with ``listen`` (a waiting thread's), LISTEN in the same round trip where wait() will."""
+
         def enqueue(connection: BaseDatabaseWrapper) -> int:
             sql = sql_for(connection)
+            listen_too = (
+                listen
+                and can_listen(connection)
+                and batches(connection)
+                and known_own_session(self.database)
+                and self._listening.get(key) is not connection.connection
+            )
             with connection.cursor() as cursor:
-                cursor.execute(sql.enqueue, [key, sql.lease(WAITER_LEASE)])
+                if listen_too:
+                    cursor.execute(f'LISTEN "{channel(key)}"; {sql.enqueue}', [key, sql.lease(WAITER_LEASE)])
+                    self._listening[key] = connection.connection
+                    cursor.nextset()
+                else:
+                    cursor.execute(sql.enqueue, [key, sql.lease(WAITER_LEASE)])
                 return int(cursor.fetchone()[0] if sql.returning else cursor.lastrowid)
 
         place = self._places[key] = Place(self._run(enqueue), time.monotonic())
@@ -218,9 +259,17 @@ class QueuedBackend(OwnConnectionBackend):
         return place
 
     def end_wait(self, key: str, acquired: bool) -> None:
-        """Leave the queue; if the server cannot be told, the place's lease runs out by itself."""
+        """Leave the queue; if the server cannot be told, the place's lease runs out by itself.
+
+        Where one statement can delete the lock and the place (MySQL), a waiter
+        that took the lock keeps its place until it releases the lock: while the
+        lock is held, nobody behind could take it anyway, and the handoff has one
+        round trip fewer. A place kept longer than its lease holds up nobody.
+        """
         place = self._places.pop(key, None)
         listening = self._listening.pop(key, None)
+        if acquired and place is not None and self._keeps_place():
+            self._kept[key], place = place.id, None
 
         def leave(connection: BaseDatabaseWrapper) -> None:
             if place is not None:

@@ -74,14 +74,23 @@ class Statements:
         self.extend = f"UPDATE {table} SET expires_at = {later} WHERE {mine}"
         self.release_last = f"DELETE FROM {table} WHERE {mine} AND hold_count <= 1"
         # PostgreSQL wakes the waiters (LISTENing on the lock's channel, the
-        # last parameter) when the last hold is released while any is queued.
+        # last parameter) when the last hold is released while any is queued;
+        # the payload is the place of the first, the one to try: the others wait on.
         self.notifies = vendor == "postgresql"
         if self.notifies:
             self.release_last = (
-                f"WITH gone AS ({self.release_last} RETURNING lock_name) SELECT CASE WHEN EXISTS"
-                f" (SELECT 1 FROM {queue} w WHERE w.lock_name = gone.lock_name AND w.expires_at > {now})"
-                " THEN pg_notify(%s, '') END FROM gone"
+                f"WITH gone AS ({self.release_last} RETURNING lock_name) SELECT CASE WHEN head.id IS NOT NULL"
+                " THEN pg_notify(%s, head.id::text) END"
+                f" FROM gone, LATERAL (SELECT MIN(w.id) AS id FROM {queue} w WHERE w.lock_name = gone.lock_name"
+                f" AND w.expires_at > {now}) head"
             )
+        # On MySQL the last release also deletes the place its holder queued in, if it kept one (the first parameter).
+        self.release_leaving = (
+            f"DELETE held, kept FROM {table} held LEFT JOIN {queue} kept ON kept.id = %s"
+            f" WHERE held.lock_name = %s AND held.owner_secret = %s AND held.expires_at > {now} AND held.hold_count <= 1"
+            if vendor == "mysql"
+            else None
+        )
         self.release_one = f"UPDATE {table} SET hold_count = hold_count - 1 WHERE {mine}"
         self.drop_mine = f"DELETE FROM {table} WHERE lock_name = %s AND owner_secret = %s"
         self.force_release = f"DELETE FROM {table} WHERE lock_name = %s"
