@@ -14,7 +14,7 @@ from django_redis import get_redis_connection
 import distlocks
 from distlocks.backends.redis import backend as redis_backend
 from distlocks.backends.redis import strays
-from distlocks.backends.redis.keys import acquire_keys
+from distlocks.backends.redis.keys import acquire_keys, rw_acquire_keys
 from distlocks.handler import locks
 from distlocks.owner import acting_as, current_owner, task_owner
 from localservers import REDIS_PORT, RedisServer, answers
@@ -522,5 +522,39 @@ def test_a_lock_handed_over_to_a_waiter_whose_attempt_was_lost_is_given_back(nam
                 assert call("acquire", [lost, secret, 30_000, "1 waiter", entry, "queued"]) > 0
             assert call("void", [lost, secret, 30_000, entry]) == 1
             assert not client.exists(keys[0])
+    finally:
+        listener.close()
+
+
+def test_a_read_write_void_takes_a_lost_writers_waiting_record_and_what_was_handed_to_it(name):
+    """A writer's attempt that queued it (its entry blocks new readers), and whose answer was lost, is voided:
+    its entry and record leave the queue, new readers read at once; a hold handed over to it is given back."""
+    backend = locks["redis"]
+    keys = rw_acquire_keys(backend.make_key(name))
+    client = backend.client
+
+    def call(script, *args):
+        return backend.call(script, keys, list(args))
+
+    listener = client.pubsub()
+    listener.subscribe(f"test-channel-{name}")  # a release hands over only to a waiter listened for
+    try:
+        for handed_over in (False, True):
+            assert call("rw_acquire", strays.attempt_id(), "read", "reader", 30_000, "1 reader") > 0
+            entry = f"write|test-channel-{name}|w{handed_over}|writer|30000|a writer"
+            lost = strays.attempt_id()
+            assert call("rw_acquire", lost, "write", "writer", 30_000, "1 writer", entry) < 0  # queued: waiting
+            assert call("rw_acquire", strays.attempt_id(), "read", "late", 30_000, "1 late") < 0  # behind it
+            if handed_over:
+                assert call("rw_release", "reader", "read") == 0  # hands the write side to the waiter
+                assert client.hget(keys[0], "w") == b"writer"
+            assert call("rw_void", lost, "write", "writer", 90_000, entry) == int(handed_over)
+            assert not client.exists(keys[2])  # its entry left the queue
+            assert not any(f.startswith(b"q:") or f in (b"w", b"gw") for f in client.hkeys(keys[0]))
+            assert call("rw_acquire", strays.attempt_id(), "read", "late", 30_000, "1 late") > 0
+            assert call("rw_acquire", lost, "write", "writer", 30_000, "1 writer", entry) == -1  # runs late: nothing
+            for reader in ("reader", "late")[handed_over:]:
+                assert call("rw_release", reader, "read") == 0
+            assert not any(f.startswith(b"r:") for f in client.hkeys(keys[0]))
     finally:
         listener.close()

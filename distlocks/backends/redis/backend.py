@@ -15,7 +15,13 @@ from django.core.exceptions import ImproperlyConfigured
 from distlocks.backends.base import AsyncPrimitives, AsyncTurn, BaseLockBackend, LockInfo
 from distlocks.backends.redis import listing, strays
 from distlocks.backends.redis.handover import Releases, Waiter, releases_for
-from distlocks.backends.redis.keys import acquire_keys, keys_of_lock, keys_of_read_write_lock, lock_hash
+from distlocks.backends.redis.keys import (
+    acquire_keys,
+    keys_of_lock,
+    keys_of_read_write_lock,
+    lock_hash,
+    rw_acquire_keys,
+)
 from distlocks.backends.redis.scripts import Attempt, ScriptCall, registered
 from distlocks.backends.redis.server import (
     TIMEOUTS,
@@ -281,9 +287,10 @@ class RedisBackend(BaseLockBackend):
 
     def rw_attempt(self, key: str, owner: Owner, ttl: float, mode: str, waiter: Waiter | None) -> Attempt:
         """One attempt at the ``mode`` side of the read-write lock ``key``, by ``waiter`` if it waits (see ``attempt``)."""
-        keys = keys_of_read_write_lock(key)
-        renewal: ScriptCall = ("rw_renew", keys, [owner.secret, lease_ms(ttl), mode, 0])
-        return self._attempt("rw_acquire", keys, [mode], keys[0], owner, ttl, waiter, renewal, mode)
+        keys = rw_acquire_keys(key)
+        renewal: ScriptCall = ("rw_renew", keys[:3], [owner.secret, lease_ms(ttl), mode, 0])
+        args = [strays.attempt_id(), mode]
+        return self._attempt("rw_acquire", keys, args, keys[0], owner, ttl, waiter, renewal, mode)
 
     # -- inspection and maintenance --------------------------------------------
 

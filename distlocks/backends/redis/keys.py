@@ -45,6 +45,13 @@ def acquire_keys(key: str) -> tuple[str, str, str, str]:
     return (*lock_keys(name), f"{name}:void")
 
 
+@functools.lru_cache(maxsize=4096)  # built at every acquire
+def rw_acquire_keys(key: str) -> tuple[str, str, str, str]:
+    """The keys of the read-write lock ``key`` as its acquire script gets them (as ``acquire_keys``)."""
+    name = lock_hash(key) + RW_SUFFIX
+    return (*lock_keys(name), f"{name}:void")
+
+
 def keys_of_lock(key: str) -> tuple[str, str, str]:
     """The hash, fencing counter and waiters' queue of the lock ``key``."""
     return lock_keys(lock_hash(key))

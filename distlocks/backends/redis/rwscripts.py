@@ -9,7 +9,8 @@ token, ``wi`` its info, ``we`` when its lease ends, ms by the server's clock),
 each reader (``r:<secret>``: "<lease end> <count> <token> <info>"), when each
 queued waiter's entry ends (``q:<waiter id>``), and, for a hold handed to a
 waiter that has not taken it yet, the waiter's id (``g`` and the hold's field:
-``gw``, ``gr:<secret>``). Every hold and every queue entry is a lease of its
+``gw``, ``gr:<secret>``), and, for a hold an acquire took, the id of that attempt (``a`` and the
+hold's field: ``aw``, ``ar:<secret>``; see ``strays``). Every hold and every queue entry is a lease of its
 own: one whose end has passed counts for nothing and is deleted by the next
 script that meets it. The hash outlives its longest lease, so Redis deletes
 what the last holder's crash leaves. Tokens are taken as the lock's are (never
@@ -43,7 +44,7 @@ end
 local function writer()
   local w, ends = unpack(redis.call('HMGET', KEYS[1], 'w', 'we'))
   if w and tonumber(ends) > now then return w end
-  if w then redis.call('HDEL', KEYS[1], 'w', 'wc', 'wt', 'wi', 'we', 'gw') end
+  if w then redis.call('HDEL', KEYS[1], 'w', 'wc', 'wt', 'wi', 'we', 'gw', 'aw') end
   return nil
 end
 local function readers()
@@ -54,7 +55,7 @@ local function readers()
       if tonumber(string.match(fields[i + 1], '^(%d+)')) > now then
         live = live + 1
       else
-        redis.call('HDEL', KEYS[1], fields[i], 'g' .. fields[i])
+        redis.call('HDEL', KEYS[1], fields[i], 'g' .. fields[i], 'a' .. fields[i])
       end
     end
   end
@@ -62,13 +63,22 @@ local function readers()
 end
 """
 
-# Give the ``mode`` side to ``secret`` for ``lease`` ms; return its token (a string).
+# Give the ``mode`` side to ``secret`` for ``lease`` ms; return its token (a string). The hold shows
+# ``attempt``, the id of the acquire that took it, unless the owner held that side already (a read
+# hold of its own, live): a void of the attempt must leave that hold.
 HOLD = """
-local function hold(mode, secret, lease, info)
+local function hold(mode, secret, lease, info, attempt)
   local token = new_token()
   local ends = string.format('%d', now + lease)
+  local field = mode == 'read' and 'r:' .. secret or 'w'
+  local had = mode == 'read' and tonumber(string.match(redis.call('HGET', KEYS[1], field) or '0', '^(%d+)')) > now
+  if attempt and not had then
+    redis.call('HSET', KEYS[1], 'a' .. field, attempt)
+  else
+    redis.call('HDEL', KEYS[1], 'a' .. field)
+  end
   if mode == 'read' then
-    redis.call('HSET', KEYS[1], 'r:' .. secret, ends .. ' 1 ' .. token .. ' ' .. info)
+    redis.call('HSET', KEYS[1], field, ends .. ' 1 ' .. token .. ' ' .. info)
   else
     redis.call('HSET', KEYS[1], 'w', secret, 'wc', 1, 'wt', token, 'wi', info, 'we', ends)
   end
@@ -83,9 +93,9 @@ QUEUE = (
     + """
 local function drop(field)
   if field == 'w' then
-    redis.call('HDEL', KEYS[1], 'w', 'wc', 'wt', 'wi', 'we', 'gw')
+    redis.call('HDEL', KEYS[1], 'w', 'wc', 'wt', 'wi', 'we', 'gw', 'aw')
   else
-    redis.call('HDEL', KEYS[1], field, 'g' .. field)
+    redis.call('HDEL', KEYS[1], field, 'g' .. field, 'a' .. field)
   end
 end
 -- Give the side to the waiters at the head that may have it now: a writer alone, or the run of
@@ -116,22 +126,25 @@ end
 """
 )
 
-# ARGV[1] the mode, ARGV[2] the owner's secret, ARGV[3] the lease in ms, ARGV[4] the info; if it
-# waits: ARGV[5] its queue entry, where it queues when not acquired, and ARGV[6] (any value) if an
-# earlier attempt queued it
+# KEYS[4] the attempts voided / ARGV[1] the attempt's id (unique), ARGV[2] the mode, ARGV[3] the owner's
+# secret, ARGV[4] the lease in ms, ARGV[5] the info; if it waits: ARGV[6] its queue entry, where it queues
+# when not acquired, and ARGV[7] (any value) if an earlier attempt queued it
 # return the token when acquired; when not, minus the ms to wait at most
+# A hold it takes (or is handed over) shows the attempt's id: an attempt whose answer was lost is voided
+# by RW_VOID, which gives back what it took, or makes it do nothing if it has not run yet.
 RW_ACQUIRE = (
     COMMON
     + HOLD
     + """
-local mode, secret, lease = ARGV[1], ARGV[2], tonumber(ARGV[3])
+if redis.call('ZSCORE', KEYS[4], ARGV[1]) then return -1 end
+local attempt, mode, secret, lease = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 local queue = redis.call('EXISTS', KEYS[3]) == 1
 local w = writer()
 if mode == 'read' then
   -- The write holder reads at once (a downgrade); others when nobody writes or waits.
-  if w == secret or not (w or queue) then return tonumber(hold(mode, secret, lease, ARGV[4])) end
+  if w == secret or not (w or queue) then return tonumber(hold(mode, secret, lease, ARGV[5], attempt)) end
 elseif not (w or queue) and readers() == 0 then
-  return tonumber(hold(mode, secret, lease, ARGV[4]))
+  return tonumber(hold(mode, secret, lease, ARGV[5], attempt))
 end
 """
     + QUEUE
@@ -139,18 +152,19 @@ end
 -- Its head may be free: a holder's lease ran out, a waiter ahead died.
 if queue then pass_on() end
 local field = mode == 'write' and 'w' or 'r:' .. secret
-local id = ARGV[5] and string.match(ARGV[5], '^%a+|[^|]*|([^|]*)|')
-if ARGV[6] and redis.call('HGET', KEYS[1], 'g' .. field) == id then
+local id = ARGV[6] and string.match(ARGV[6], '^%a+|[^|]*|([^|]*)|')
+if ARGV[7] and redis.call('HGET', KEYS[1], 'g' .. field) == id then
   -- Handed to this waiter, now or by a release whose message it has not read yet.
   redis.call('HDEL', KEYS[1], 'g' .. field)
+  redis.call('HSET', KEYS[1], 'a' .. field, attempt)
   if mode == 'write' then return tonumber(redis.call('HGET', KEYS[1], 'wt')) end
   return tonumber(string.match(redis.call('HGET', KEYS[1], field), '^%d+ %d+ (%d+)'))
 end
 if redis.call('EXISTS', KEYS[3]) == 0 and not writer() and (mode == 'read' or readers() == 0) then
-  return tonumber(hold(mode, secret, lease, ARGV[4]))
+  return tonumber(hold(mode, secret, lease, ARGV[5], attempt))
 end
 if id then
-  redis.call('ZADD', KEYS[3], 'NX', now, ARGV[5])
+  redis.call('ZADD', KEYS[3], 'NX', now, ARGV[6])
   redis.call('HSET', KEYS[1], 'q:' .. id, string.format('%d', now + lease))
   keep(KEYS[1], lease)
   keep(KEYS[3], lease)
@@ -188,7 +202,7 @@ else
   if not entry then return 0 end
   local ends, count, rest = string.match(entry, '^(%d+) (%d+) (.*)$')
   if tonumber(ends) <= now then
-    redis.call('HDEL', KEYS[1], field, 'g' .. field)
+    redis.call('HDEL', KEYS[1], field, 'g' .. field, 'a' .. field)
     return 0
   end
   redis.call('HSET', KEYS[1], field, string.format('%d %d %s', now + lease, tonumber(count) + more, rest))
@@ -208,14 +222,14 @@ if ARGV[2] == 'write' then
   if writer() ~= secret then return -1 end
   local count = redis.call('HINCRBY', KEYS[1], 'wc', -1)
   if count > 0 then return count end
-  redis.call('HDEL', KEYS[1], 'w', 'wc', 'wt', 'wi', 'we', 'gw')
+  redis.call('HDEL', KEYS[1], 'w', 'wc', 'wt', 'wi', 'we', 'gw', 'aw')
 else
   local field = 'r:' .. secret
   local entry = redis.call('HGET', KEYS[1], field)
   if not entry then return -1 end
   local ends, count, rest = string.match(entry, '^(%d+) (%d+) (.*)$')
   if tonumber(ends) <= now then
-    redis.call('HDEL', KEYS[1], field, 'g' .. field)
+    redis.call('HDEL', KEYS[1], field, 'g' .. field, 'a' .. field)
     return -1
   end
   count = tonumber(count) - 1
@@ -223,7 +237,7 @@ else
     redis.call('HSET', KEYS[1], field, string.format('%s %d %s', ends, count, rest))
     return count
   end
-  redis.call('HDEL', KEYS[1], field, 'g' .. field)
+  redis.call('HDEL', KEYS[1], field, 'g' .. field, 'a' .. field)
 end
 if redis.call('EXISTS', KEYS[3]) == 0 then return 0 end
 """
@@ -284,10 +298,50 @@ return 1
 """
 )
 
+# KEYS as RW_ACQUIRE's. An acquire whose answer was lost (a timeout, a broken connection, an interrupt)
+# may run later, or have run: ARGV[1] its id, ARGV[2] the mode, ARGV[3] the owner's secret, ARGV[4] how
+# long (ms) to remember the id: if it runs meanwhile it does nothing; ARGV[5] its queue entry ('' if
+# none), which leaves the queue (a writer's blocks new readers). A hold of that side handed over to its
+# waiter and not taken, or that the attempt took, is given back and the queue served, unless the hold
+# shows another attempt (the owner held that side before, or took it anew since) or more than one hold
+# (re-entered). Other holds, the owner's other side's included, are left as they are.
+# return 1 if it gave back a hold
+RW_VOID = (
+    COMMON
+    + QUEUE
+    + """
+local attempt, mode, secret, remember = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
+redis.call('ZADD', KEYS[4], now + remember, attempt)
+keep(KEYS[4], remember)
+local id = string.match(ARGV[5], '^%a+|[^|]*|([^|]*)|')
+if id then
+  redis.call('ZREM', KEYS[3], ARGV[5])
+  redis.call('HDEL', KEYS[1], 'q:' .. id)
+end
+local field = mode == 'write' and 'w' or 'r:' .. secret
+local given = 0
+if id and redis.call('HGET', KEYS[1], 'g' .. field) == id then
+  given = 1
+elseif redis.call('HGET', KEYS[1], 'a' .. field) == attempt then
+  if mode == 'write' then
+    if writer() == secret and redis.call('HGET', KEYS[1], 'wc') == '1' then given = 1 end
+  else
+    local ends, count = string.match(redis.call('HGET', KEYS[1], field) or '', '^(%d+) (%d+) ')
+    if ends and tonumber(ends) > now and count == '1' then given = 1 end
+  end
+end
+if given == 1 then drop(field) end
+pass_on()
+return given
+"""
+)
+
 SCRIPTS = {
     "rw_acquire": RW_ACQUIRE,
     "rw_renew": RW_RENEW,
     "rw_release": RW_RELEASE,
     "rw_abandon": RW_ABANDON,
     "rw_force_release": RW_FORCE_RELEASE,
+    "rw_void": RW_VOID,
 }

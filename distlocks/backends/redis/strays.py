@@ -11,7 +11,10 @@ an acquire whose call raised anything but the server's own error is voided
 again until the server answers. Voiding gives back what the attempt took, if
 it ran and nobody took the lock anew or re-entered it since, and makes it do
 nothing if it runs later (the server remembers the id for its lease plus a
-minute). It never touches a hold the owner had before, nor anyone else's.
+minute). It never touches a hold the owner had before, nor anyone else's. A
+read-write lock's sides are voided alike (``rwscripts.RW_VOID``): the hold of
+the side the attempt took, if it shows that attempt, and a writer's entry in
+the queue, which would keep new readers out.
 """
 
 from __future__ import annotations
@@ -37,6 +40,9 @@ RETRY_INTERVAL = 0.2
 GIVE_UP = 600.0
 # The server remembers a voided attempt's id for its lease plus this (ms): the request may reach it late.
 REMEMBERED_MS = 60_000
+# Each acquire script's void script, and its arguments' layout: how many come before the lease (the
+# attempt's id first, then what the void needs), and where the queue entry is.
+VOIDS = {"acquire": ("void", 2, 4), "rw_acquire": ("rw_void", 3, 5)}
 
 
 class _Ids:
@@ -62,6 +68,7 @@ class Stray:
     client: Any
     keys: Sequence[str]
     args: list[Any]
+    script: str = "void"
     since: float = field(default_factory=time.monotonic)
 
 
@@ -104,7 +111,7 @@ class Voids:
             strays = list(self.pending)
         for stray in strays:
             try:
-                released = registered(stray.client)["void"](keys=stray.keys, args=stray.args)
+                released = registered(stray.client)[stray.script](keys=stray.keys, args=stray.args)
             except connection_errors() as exc:
                 if time.monotonic() - stray.since < GIVE_UP:
                     return
@@ -140,16 +147,16 @@ def unanswered(
     answer (the script failed there): nothing to void.
     """
     unreachable = isinstance(error, connection_errors())
-    if script != "acquire":
+    if script not in VOIDS:
         return unreachable
     from redis.exceptions import ResponseError
 
     if isinstance(error, ResponseError):
         return unreachable
-    attempt, secret, lease = args[0], args[1], args[2]
-    entry = args[4] if len(args) > 4 else ""
+    void, lease_at, entry_at = VOIDS[script]
+    entry = args[entry_at] if len(args) > entry_at else ""
     try:
-        stray = Stray(client(), keys, [attempt, secret, int(lease) + REMEMBERED_MS, entry])
+        stray = Stray(client(), keys, [*args[:lease_at], int(args[lease_at]) + REMEMBERED_MS, entry], void)
     except Exception as exc:  # no client to void it on: its lease ends it
         logger.warning("Cannot void an acquire of %s whose answer was lost: %s", keys[0], exc)
     else:
