@@ -195,7 +195,8 @@ class LockedTask(Task):
             _refuse_session_backend(lock)
         with acting_as(task_owner(task_id, shared=shared)):
             marker = self._dedupe_marker(name) if self.lock_dedupe else None
-            if marker is not None and not marker.hold_count and (queued := marker.holder()) is not None:
+            queued = marker.holder() if marker is not None and not marker.hold_count else None
+            if marker is not None and queued is not None and queued.token is not None:
                 marker.resume(queued.token)  # renewed while the task runs; gone after its ttl if the worker dies
             try:
                 result = self._run_locked(lock, args, kwargs)
