@@ -276,7 +276,33 @@ def test_a_lost_acquire_leaves_another_owners_hold(own_redis, name):
     lk.release()
 
 
-def test_a_lost_acquire_that_redis_py_sends_again_takes_what_its_first_run_took(own_redis, settings, name):
+SIDES_OF_LOCKS = {
+    "lock": lambda name: distlocks.lock(name, using="own", ttl=30),
+    "read side": lambda name: distlocks.read_write_lock(name, using="own", ttl=30).read(),
+    "write side": lambda name: distlocks.read_write_lock(name, using="own", ttl=30).write(),
+}
+
+
+def writable_elsewhere(name, kind):
+    """Whether another thread takes at once what excludes ``kind``: the lock, or the read-write lock's write side."""
+    if kind == "lock":
+        return taken_elsewhere(name, wait=0)
+    result = []
+
+    def take():
+        other = distlocks.read_write_lock(name, using="own", ttl=30).write()
+        result.append(other.acquire(wait=0))
+        if result[0]:
+            other.release()
+
+    thread = threading.Thread(target=take)
+    thread.start()
+    thread.join(30)
+    return result[0]
+
+
+@pytest.mark.parametrize("kind", list(SIDES_OF_LOCKS))
+def test_a_lost_acquire_that_redis_py_sends_again_takes_what_its_first_run_took(own_redis, settings, name, kind):
     """A cache whose connections retry on a timeout (``retry_on_timeout``, a ``Retry``) sends the acquire script
     again, with the same attempt id, when its answer was lost. The first run took the lock: the second one must
     say so, or the owner is told it did not get the lock, nothing is voided (no error was raised), and the first
@@ -296,7 +322,7 @@ def test_a_lost_acquire_that_redis_py_sends_again_takes_what_its_first_run_took(
         "own": {**settings.CACHES["own"], "LOCATION": f"redis://127.0.0.1:{proxy.port}/0"},
     }
     try:
-        lk = distlocks.lock(name, using="own", ttl=30)
+        lk = SIDES_OF_LOCKS[kind](name)
         with lk:
             pass  # a connection open through the proxy
         connections = len(proxy.sockets)
@@ -316,8 +342,9 @@ def test_a_lost_acquire_that_redis_py_sends_again_takes_what_its_first_run_took(
         assert len(proxy.sockets) > connections, "redis-py did not retry"
         # Before the fix: the second run found the lock held (by the first) and said "not acquired".
         assert acquired
-        assert not taken_elsewhere(name, wait=0)
+        assert lk.hold_count == 1
+        assert not writable_elsewhere(name, kind)
         lk.release()
-        assert taken_elsewhere(name, wait=0)
+        assert writable_elsewhere(name, kind)  # before the fix, a read side's second run held it once more
     finally:
         proxy.close()

@@ -138,6 +138,15 @@ RW_ACQUIRE = (
     + """
 if redis.call('ZSCORE', KEYS[4], ARGV[1]) then return -1 end
 local attempt, mode, secret, lease = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+-- Sent again (a retrying connection) after its answer was lost: say what its first run took.
+local mine = mode == 'write' and 'w' or 'r:' .. secret
+if redis.call('HGET', KEYS[1], 'a' .. mine) == attempt then
+  if mode == 'write' and tonumber(redis.call('HGET', KEYS[1], 'we')) > now then
+    return tonumber(redis.call('HGET', KEYS[1], 'wt'))
+  end
+  local ends, token = string.match(redis.call('HGET', KEYS[1], mine) or '', '^(%d+) %d+ (%d+)')
+  if ends and tonumber(ends) > now then return tonumber(token) end
+end
 local queue = redis.call('EXISTS', KEYS[3]) == 1
 local w = writer()
 if mode == 'read' then
