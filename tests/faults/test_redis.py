@@ -243,6 +243,29 @@ def test_an_acquire_run_after_its_client_gave_up_does_not_keep_the_lock_for_its_
     lk.release()
 
 
+def test_a_long_outage_keeps_at_most_max_pending_voids_dropping_the_oldest(own_redis, name, monkeypatch, caplog):
+    """Voids wait in a bounded backlog per server: past it the oldest is dropped (its lease ends its hold)."""
+    monkeypatch.setattr(strays, "MAX_PENDING", 2)
+    server = own_redis(REDIS_PORT + 69, SOCKET_CONNECT_TIMEOUT=1, SOCKET_TIMEOUT=0.5)
+    names = [f"{name}-{i}" for i in range(3)]
+    locks_ = [distlocks.lock(n, using="own", ttl=30) for n in names]
+    for lk in locks_:
+        with lk:
+            pass  # connections open: the frozen server's kernel takes the requests
+    with frozen(server), caplog.at_level(logging.WARNING, logger="distlocks.backends.redis"):
+        for lk in locks_:
+            with pytest.raises(distlocks.BackendUnavailable):
+                lk.acquire(wait=0)
+        ours = {lock_hash(locks["own"].make_key(n)) for n in names}
+        assert sorted(stray.keys[0] for stray in strays.pending() if stray.keys[0] in ours) == sorted(
+            lock_hash(locks["own"].make_key(n)) for n in names[1:]
+        )
+    assert "Too many lost acquires to void" in caplog.text
+    for n in names:
+        voided(n)
+    assert [taken_elsewhere(n, wait=0) for n in names] == [False, True, True]  # the first one's void was dropped
+
+
 def test_a_lost_acquire_leaves_the_hold_its_owner_had_already(own_redis, name):
     """The same owner held the lock (re-entrant, or detached): the acquire it lost found it held, and its void
     leaves the hold, with its count and token."""

@@ -19,6 +19,7 @@ the queue, which would keep new readers out.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import os
@@ -40,6 +41,8 @@ RETRY_INTERVAL = 0.2
 GIVE_UP = 600.0
 # The server remembers a voided attempt's id for its lease plus this (ms): the request may reach it late.
 REMEMBERED_MS = 60_000
+# At most this many strays wait per server (a long outage under load): past it the oldest is dropped, its lease ends it.
+MAX_PENDING = 10_000
 # Each acquire script's void script, and its arguments' layout: how many come before the lease (the
 # attempt's id first, then what the void needs), and where the queue entry is.
 VOIDS = {"acquire": ("void", 2, 4), "rw_acquire": ("rw_void", 3, 5)}
@@ -80,12 +83,17 @@ class Voids:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.pending: list[Stray] = []
+        self.pending: collections.deque[Stray] = collections.deque()
         self.wake = threading.Event()
         self.thread: threading.Thread | None = None
 
     def add(self, stray: Stray) -> None:
         with self.lock:
+            if len(self.pending) >= MAX_PENDING:
+                dropped = self.pending.popleft()
+                logger.warning(
+                    "Too many lost acquires to void: %s keeps its stray hold until its lease ends", dropped.keys[0]
+                )
             self.pending.append(stray)
             if self.thread is None:
                 self.thread = threading.Thread(target=self._loop, name="distlocks-redis-voids", daemon=True)
@@ -107,9 +115,11 @@ class Voids:
 
     def _round(self) -> None:
         """Void the strays in order, until the server does not answer (the rest wait for the next round)."""
-        with self.lock:
-            strays = list(self.pending)
-        for stray in strays:
+        while True:
+            with self.lock:
+                if not self.pending:
+                    return
+                stray = self.pending[0]
             try:
                 released = registered(stray.client)[stray.script](keys=stray.keys, args=stray.args)
             except connection_errors() as exc:
@@ -122,7 +132,8 @@ class Voids:
                 if released:
                     logger.info("Gave back %s, taken by an acquire whose answer was lost", stray.keys[0])
             with self.lock:
-                self.pending.remove(stray)
+                if self.pending and self.pending[0] is stray:  # else dropped meanwhile (MAX_PENDING)
+                    self.pending.popleft()
 
 
 # Each server's strays, by its connection pool (django-redis shares one per server among threads).
