@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from io import StringIO
+from pathlib import Path
 
 import pytest
 from django.core.management import CommandError, call_command
@@ -120,6 +121,16 @@ def test_a_clean_run_finds_no_violation(tmp_path, alias):
     assert result["counter"] == result["writes_committed"] > 0
     assert f"No violation in {result['cycles']} critical sections." in printed
     assert verify_tables() == []
+
+
+@DB
+def test_a_database_named_by_a_path_as_startproject_writes_it(tmp_path, monkeypatch):
+    """Django's startproject names SQLite's file ``BASE_DIR / "db.sqlite3"``, a Path: the workers get its name."""
+    settings_dict = connections["default"].settings_dict
+    monkeypatch.setitem(settings_dict, "NAME", Path(settings_dict["NAME"]))
+    passed, result, _ = verify(tmp_path, "default", "--processes", 2, "--seconds", 1)
+    assert passed, result["violations"]
+    assert result["cycles"] >= 2
 
 
 @DB

@@ -80,7 +80,7 @@ def run(plan: Plan, progress: Progress | None = None) -> Outcome:
         "work": WORK,
         "settings": os.environ.get("DJANGO_SETTINGS_MODULE", ""),
         # The names in use here (a test database, say), for the workers to use too.
-        "databases": {alias: connections[alias].settings_dict["NAME"] for alias in settings.DATABASES},
+        "databases": {alias: os.fspath(connections[alias].settings_dict["NAME"]) for alias in settings.DATABASES},
     }
     pool: Pool | None = None
     try:
