@@ -324,6 +324,32 @@ def test_a_killed_waiter_does_not_hold_up_the_queue(alias, name, workers):
 
 
 @pytest.mark.parametrize("alias", DB_ALIASES, indirect=True)
+def test_a_short_hold_taken_from_the_queue_frees_the_lock_when_its_lease_runs_out(alias, name):
+    """A waiter that took the lock from the queue with a lease shorter than a place's (on MariaDB a holder may
+    keep its place until its release) is out of the next waiter's way when that lease runs out, not later."""
+    from distlocks.backends.db.queue import WAITER_LEASE
+    from distlocks.models import LockWaiter
+
+    queue = LockWaiter.objects.using(locks[alias].database).filter(lock_name=locks[alias].make_key(name))
+    holder = Holder(name, alias, ttl=60)
+    short = distlocks.lock(name, using=alias, ttl=0.3, renew=False)
+    took = threading.Event()
+    # It queues behind the holder, takes the lock from the queue and never releases it.
+    threading.Thread(target=lambda: short.acquire(wait=30) and took.set()).start()
+    until(lambda: queue.count() == 1, 30)
+    assert holder.release() is None
+    assert took.wait(30)
+    started = time.monotonic()
+    assert in_thread(lambda: take(name, alias, wait=10))
+    waited = time.monotonic() - started
+    # Before: its place, kept on MariaDB and renewed last before it took the lock, held the next one up
+    # for 1.3-2 s (places last WAITER_LEASE).
+    assert waited < 1.2, (
+        f"the next waiter got the lock {waited:.2f} s after a 0.3 s hold began ({WAITER_LEASE} s places)"
+    )
+
+
+@pytest.mark.parametrize("alias", DB_ALIASES, indirect=True)
 def test_a_waiter_resumed_after_its_place_ran_out_queues_behind_those_that_came_meanwhile(alias, name, workers):
     from distlocks.backends.db.statements import sql_for
     from distlocks.models import LockWaiter

@@ -130,6 +130,8 @@ class DatabaseBackend(QueuedBackend):
     def try_acquire(self, key: str, owner: Owner, ttl: float) -> int | None:
         place = self._places.get(key)
         queued_as = _NOT_QUEUED if place is None else place.id
+        if place is not None:
+            place.ttl = ttl
 
         def attempt(connection: BaseDatabaseWrapper) -> int | None:
             sql = sql_for(connection)

@@ -49,6 +49,8 @@ class Place:
 
     id: int
     renewed: float
+    #: The lease of this waiter's last attempt: a hold shorter than a place's lease does not keep its place.
+    ttl: float = 0.0
 
 
 @dataclass
@@ -264,11 +266,13 @@ class QueuedBackend(OwnConnectionBackend):
         Where one statement can delete the lock and the place (MySQL), a waiter
         that took the lock keeps its place until it releases the lock: while the
         lock is held, nobody behind could take it anyway, and the handoff has one
-        round trip fewer. A place kept longer than its lease holds up nobody.
+        round trip fewer. A place kept longer than its lease holds up nobody;
+        a hold whose lease is shorter than the place's does not keep it, or a
+        waiter would wait for the place after the hold's lease ran out.
         """
         place = self._places.pop(key, None)
         listening = self._listening.pop(key, None)
-        if acquired and place is not None and self._keeps_place():
+        if acquired and place is not None and place.ttl >= WAITER_LEASE and self._keeps_place():
             self._kept[key], place = place.id, None
 
         def leave(connection: BaseDatabaseWrapper) -> None:
