@@ -9,7 +9,6 @@ import contextlib
 import hashlib
 import inspect
 import logging
-import string
 from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
@@ -23,6 +22,7 @@ from distlocks.backends.base import check_positive_number, check_wait
 from distlocks.exceptions import LockError, LockNotAcquired
 from distlocks.handler import DEFAULT_ALIAS
 from distlocks.lock import DistributedLock
+from distlocks.names import check_name_fields
 from distlocks.owner import acting_as, task_id_of, task_owner
 
 logger = logging.getLogger(__name__)
@@ -102,22 +102,10 @@ class LockedTask(Task):
         if name is None or name == "":
             raise refuse("lock_name is required: a format string over the task's arguments, or a callable")
         if isinstance(name, str):
-            parameters = cls._run_parameters()
-            takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
             try:
-                fields = [field for _, field, _, _ in string.Formatter().parse(name) if field is not None]
+                check_name_fields(name, cls._run_parameters(), "lock_name", "the task")
             except ValueError as exc:
-                raise refuse(f"lock_name {name!r} is not a valid format string: {exc}") from exc
-            for field in fields:
-                argument = field.split(".", 1)[0].split("[", 1)[0]
-                if not argument or argument.isdigit():
-                    raise refuse(f"lock_name {name!r} must name arguments: {{{field}}} is positional")
-                if argument not in parameters and not takes_any:
-                    known = ", ".join(parameters) or "none"
-                    raise refuse(
-                        f"lock_name {name!r} refers to {{{argument}}}, which is not an argument of the task"
-                        f" (arguments: {known})"
-                    )
+                raise refuse(str(exc)) from exc
         elif not callable(name):
             raise refuse(f"lock_name must be a str or a callable, not {type(name).__name__}")
         if not isinstance(cls.lock_using, str) or not cls.lock_using:

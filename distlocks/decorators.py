@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from collections.abc import Awaitable, Callable
 from contextlib import ExitStack
-from inspect import iscoroutinefunction
+from inspect import Parameter, iscoroutinefunction
 from typing import Any
 
+from django.core.exceptions import ImproperlyConfigured
 from django.db import connections, transaction
 from django.http import HttpRequest, HttpResponse
 
@@ -16,6 +18,7 @@ from distlocks.aio import AsyncDistributedLock
 from distlocks.backends.base import check_positive_number, check_wait
 from distlocks.handler import DEFAULT_ALIAS
 from distlocks.lock import DistributedLock
+from distlocks.names import check_name_fields
 
 View = Callable[..., Any]  # a view: sync, or async returning an awaitable
 LockedHandler = Callable[[HttpRequest, DistributedLock], HttpResponse]
@@ -55,12 +58,30 @@ def distributed_lock(
     if ttl is not None:
         check_positive_number(ttl, "ttl")
     check_wait(wait)
-
-    def make_lock(request: HttpRequest, args: tuple[Any, ...], kwargs: dict[str, Any]) -> DistributedLock:
-        lock_name = name(request, *args, **kwargs) if callable(name) else name.format(**kwargs)
-        return DistributedLock(lock_name, using=using, ttl=ttl, wait=wait, renew=renew, until="commit")
+    where = f"distributed_lock({name!r})" if isinstance(name, str) else "distributed_lock"
 
     def decorator(view: View) -> View:
+        defaults = _check_pattern(name, view, where) if isinstance(name, str) else {}
+
+        def make_lock(request: HttpRequest, args: tuple[Any, ...], kwargs: dict[str, Any]) -> DistributedLock:
+            if callable(name):
+                lock_name = name(request, *args, **kwargs)
+            else:
+                try:
+                    lock_name = name.format(**({**defaults, **kwargs} if defaults else kwargs))
+                except (KeyError, IndexError, AttributeError) as exc:
+                    given = ", ".join(kwargs) or "none"
+                    raise ImproperlyConfigured(
+                        f"{where}: cannot form the lock name from the view's keyword arguments ({given}): {exc!r}"
+                    ) from exc
+            # The alias is looked up here, at the first request, not at decoration: views are
+            # often imported before DISTLOCKS is final (override_settings, settings loaded
+            # late), and reading it at import would cache an alias list that may change.
+            try:
+                return DistributedLock(lock_name, using=using, ttl=ttl, wait=wait, renew=renew, until="commit")
+            except ImproperlyConfigured as exc:
+                raise ImproperlyConfigured(f"{where}: {exc}") from exc
+
         if iscoroutinefunction(view):
             return _async_wrapper(view, make_lock, on_locked)
         own_non_atomic: set[str] = set(getattr(view, "_non_atomic_requests", set()))
@@ -84,6 +105,32 @@ def distributed_lock(
         return wrapper
 
     return decorator
+
+
+def _check_pattern(pattern: str, view: View, where: str) -> dict[str, Any]:
+    """Raise ImproperlyConfigured unless each placeholder of ``pattern`` is a keyword argument of ``view``.
+
+    Return the view's keyword arguments' defaults, which the name is formed with
+    when the URL does not give them. The request (the first argument) and
+    positional-only arguments are no placeholders: URL keyword arguments are
+    what the name is formed from. A view taking ``**kwargs`` (``View.dispatch``,
+    through ``method_decorator``) takes any.
+    """
+    try:
+        # method_decorator passes a partial of the bound method, "wrapping" the unbound one (with self).
+        follow = not isinstance(view, functools.partial)
+        parameters = list(inspect.signature(view, follow_wrapped=follow).parameters.values())
+    except (TypeError, ValueError):  # no signature to check against: checked at the call
+        return {}
+    if parameters and parameters[0].kind in (Parameter.POSITIONAL_ONLY, Parameter.POSITIONAL_OR_KEYWORD):
+        parameters = parameters[1:]  # the request
+    keywords = {p.name: p for p in parameters if p.kind not in (Parameter.POSITIONAL_ONLY, Parameter.VAR_POSITIONAL)}
+    view_name = getattr(view, "__qualname__", None) or getattr(view, "__name__", None) or repr(view)
+    try:
+        check_name_fields(pattern, keywords, "the lock name", f"the view {view_name}")
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"{where}: {exc}") from exc
+    return {name: p.default for name, p in keywords.items() if p.default is not Parameter.empty}
 
 
 def _async_wrapper(

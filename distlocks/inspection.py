@@ -78,6 +78,17 @@ def holder(alias: str, key: str, kind: str = "lock") -> LockInfo | None:
     return _backend(alias, kind).holder(_key(key, kind))
 
 
+def prefixed_key(alias: str, name: str) -> str | None:
+    """The key a lock named ``name`` has on ``alias`` when that alias sets a KEY_PREFIX and ``name`` lacks it, else None."""
+    backend = locks[alias]
+    if not backend.key_prefix or name.startswith(f"{backend.key_prefix}:"):
+        return None
+    try:
+        return backend.make_key(name)
+    except ValueError:  # too long to be a name on this backend
+        return None
+
+
 def _backend(alias: str, kind: str) -> BaseLockBackend:
     """What holds a lock of ``kind``: the backend, or for a read-write lock's side its ``read_write_side``."""
     return locks[alias].read_write_side(kind) if kind in READ_WRITE else locks[alias]

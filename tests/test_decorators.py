@@ -6,9 +6,12 @@ import asyncio
 import threading
 
 import pytest
+from django.core.exceptions import ImproperlyConfigured
 from django.db import connection, transaction
 from django.http import HttpResponse
 from django.test import RequestFactory
+from django.utils.decorators import method_decorator
+from django.views import View
 
 import distlocks
 from demo_shop.shop.models import Stock
@@ -86,6 +89,78 @@ def test_bad_arguments_fail_at_decoration():
         distributed_lock("x", ttl=0)
     with pytest.raises(ValueError, match="wait must be"):
         distributed_lock("x", wait=-1)
+
+
+def test_a_placeholder_that_is_no_argument_of_the_view_fails_at_decoration():
+    with pytest.raises(
+        ImproperlyConfigured,
+        match=r"distributed_lock\('stock:\{prodcut_id\}'\): the lock name 'stock:\{prodcut_id\}' refers to "
+        r"\{prodcut_id\}, which is not an argument of the view .*buy \(arguments: product_id\)",
+    ):
+
+        @distributed_lock("stock:{prodcut_id}")
+        def buy(request, product_id):
+            return HttpResponse("ok")
+
+    with pytest.raises(
+        ImproperlyConfigured, match=r"\{request\}, which is not an argument of the view .*\(arguments: none\)"
+    ):
+        distributed_lock("x:{request}")(lambda request: HttpResponse("ok"))
+    with pytest.raises(ImproperlyConfigured, match="must name arguments"):
+        distributed_lock("x:{0}")(lambda request, item: HttpResponse("ok"))
+    with pytest.raises(ImproperlyConfigured, match="not a valid format string"):
+        distributed_lock("x:{item")(lambda request, item: HttpResponse("ok"))
+
+    async def async_buy(request, product_id):
+        return HttpResponse("ok")
+
+    with pytest.raises(ImproperlyConfigured, match=r"refers to \{prodcut_id\}"):
+        distributed_lock("stock:{prodcut_id}")(async_buy)
+
+
+def test_placeholders_of_kwargs_and_defaults(name):
+    @distributed_lock(name + ":{anything}")
+    def takes_any(request, **kwargs):
+        return HttpResponse(kwargs["anything"])
+
+    assert takes_any(RequestFactory().get("/"), anything="a").content == b"a"
+    with pytest.raises(
+        ImproperlyConfigured, match=rf"distributed_lock\('{name}:\{{anything\}}'\): cannot form .*\(other\)"
+    ):
+        takes_any(RequestFactory().get("/"), other="b")
+
+    seen = []
+
+    @distributed_lock(name + ":{item}:{page}")
+    def with_default(request, item, page=1):
+        seen.append(other_thread_acquires(f"{name}:{item}:1"))
+        return HttpResponse("ok")
+
+    assert with_default(RequestFactory().get("/"), item="7").status_code == 200
+    assert seen == [False]  # formed with the default, as LockedTask's names are
+
+
+def test_a_class_based_views_placeholders_are_checked_too(name):
+    class Report(View):
+        @method_decorator(distributed_lock(name + ":{yaer}"))
+        def get(self, request, year):
+            return HttpResponse(year)
+
+    with pytest.raises(
+        ImproperlyConfigured, match=r"refers to \{yaer\}, which is not an argument .*\(arguments: year\)"
+    ):
+        Report.as_view()(RequestFactory().get("/"), year="2026")
+
+
+def test_an_unknown_alias_names_the_decorator_at_the_first_request():
+    @distributed_lock("stock:{product_id}", using="nope")
+    def buy(request, product_id):
+        return HttpResponse("ok")
+
+    with pytest.raises(
+        ImproperlyConfigured, match=r"distributed_lock\('stock:\{product_id\}'\): DISTLOCKS has no alias 'nope'"
+    ):
+        buy(RequestFactory().get("/"), product_id="7")
 
 
 VIEWS = ["sync", "async", "class"]

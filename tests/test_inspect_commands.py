@@ -11,6 +11,7 @@ import pytest
 from django.core.management import CommandError, call_command
 from django.test import override_settings
 
+import distlocks
 from distlocks.handler import locks
 
 from .conftest import DB, PROCESS_ALIASES, ROOT, worker_env
@@ -92,3 +93,48 @@ def test_release_asks_first(answer, released, name, workers):
     assert done.returncode == (0 if released else 1), done.stderr
     if not released:
         assert "Not released." in done.stderr
+
+
+@pytest.fixture
+def shop_prefix(settings):
+    """The redis and default aliases with KEY_PREFIX = "shop"."""
+    settings.DISTLOCKS = {
+        **settings.DISTLOCKS,
+        "redis": {**settings.DISTLOCKS["redis"], "KEY_PREFIX": "shop"},
+        "default": {**settings.DISTLOCKS["default"], "KEY_PREFIX": "shop"},
+    }
+
+
+@pytest.mark.parametrize("alias", ["redis", "default"])
+def test_release_takes_the_bare_name_under_a_key_prefix(shop_prefix, alias, name):
+    lk = distlocks.lock(name, using=alias, ttl=30)
+    assert lk.acquire()
+    assert lk.key == f"shop:{name}"
+    assert run("distlocks_release", name, "--using", alias, "--yes") == f"{alias}: released 'shop:{name}'\n"
+    with pytest.raises(distlocks.LockLost):
+        lk.release()
+    with pytest.raises(
+        CommandError, match=rf"'{name}' is not held \(did you mean 'shop:{name}'\? '{alias}' has KEY_PREFIX 'shop'\)"
+    ):
+        run("distlocks_release", name, "--using", alias, "--yes")
+    with pytest.raises(CommandError, match=rf"'shop:{name}' is not held$"):  # the full key: as before
+        run("distlocks_release", f"shop:{name}", "--using", alias, "--yes")
+
+
+def test_release_of_a_bare_name_asks_about_the_prefixed_key_and_keeps_the_token(shop_prefix, name, monkeypatch):
+    lk = distlocks.lock(name, using="redis", ttl=30)
+    assert lk.acquire()
+    asked = []
+    monkeypatch.setattr("builtins.input", lambda prompt: asked.append(prompt) or "n")
+    with pytest.raises(CommandError, match="Not released."):
+        run("distlocks_release", name, "--using", "redis")
+    assert asked[0].startswith(f"Force-release 'shop:{name}' on 'redis' (held by ")
+    assert f"token {lk.token})" in asked[0]
+    assert f"shop:{name}" in listed("redis")  # not released
+    with pytest.raises(CommandError, match=rf"'shop:{name}' is not held with token {lk.token + 1}"):
+        run("distlocks_release", name, "--using", "redis", "--token", str(lk.token + 1), "--yes")
+    assert run("distlocks_release", name, "--using", "redis", "--token", str(lk.token), "--yes").startswith(
+        "redis: released 'shop:"
+    )
+    with pytest.raises(distlocks.LockLost):
+        lk.release()
