@@ -22,6 +22,7 @@ BUILTIN_BACKENDS = (
     "distlocks.backends.redis.RedisBackend",
     "distlocks.backends.redlock.RedlockBackend",
     "distlocks.backends.zookeeper.ZooKeeperBackend",
+    "distlocks.backends.locmem.LocMemBackend",
 )
 
 

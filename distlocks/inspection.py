@@ -7,6 +7,8 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from django.core.exceptions import ImproperlyConfigured
+
 from distlocks.backends.base import BaseLockBackend, LockInfo
 from distlocks.exceptions import LockError
 from distlocks.handler import locks
@@ -43,8 +45,9 @@ class HeldLocks:
 def held_locks(using: Iterable[str] | None = None) -> HeldLocks:
     """Collect the held locks of the given aliases (default: every configured one).
 
-    One backend that is down or cannot list its locks does not hide the others:
-    its reason goes into ``errors``.
+    One backend that is down, misconfigured (ImproperlyConfigured) or cannot
+    list its locks does not hide the others: its reason goes into ``errors``.
+    An alias that is not configured raises ImproperlyConfigured.
     """
     result = HeldLocks()
     for alias in using if using is not None else list(locks):
@@ -53,6 +56,10 @@ def held_locks(using: Iterable[str] | None = None) -> HeldLocks:
         except NotImplementedError:
             result.errors[alias] = "this backend cannot list its locks"
         except LockError as exc:
+            result.errors[alias] = str(exc)
+        except ImproperlyConfigured as exc:
+            if alias not in locks.settings:
+                raise
             result.errors[alias] = str(exc)
     result.locks.sort(key=lambda info: (info.alias, info.key))
     return result

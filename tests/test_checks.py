@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
 import sys
 import time
 
 import pytest
 from django.core.exceptions import ImproperlyConfigured
+from django.utils.module_loading import import_string
 
 import distlocks
-from distlocks.checks import check_distlocks, unanswered
-from distlocks.handler import locks
+from distlocks.checks import check_distlocks, unanswered, unknown_settings
+from distlocks.handler import BUILTIN_BACKENDS, locks
 
 from .conftest import DB as DB_MARK
 
@@ -139,3 +142,147 @@ def test_a_missing_package_is_an_error_with_the_pip_command(settings, monkeypatc
     [message] = check_distlocks()
     assert message.id == check_id
     assert f"pip install '{hint}'" == message.hint
+
+
+REDLOCK = "distlocks.backends.redlock.RedlockBackend"
+MYSQL = "distlocks.backends.mysql.MySQLLockBackend"
+LOCMEM = "distlocks.backends.locmem.LocMemBackend"
+
+
+@pytest.mark.parametrize(
+    ("entry", "key", "guess"),
+    [
+        ({"BACKEND": DB, "TLL": 10}, "TLL", "TTL"),
+        ({"BACKEND": DB, "KEY_PREFX": "shop"}, "KEY_PREFX", "KEY_PREFIX"),
+        ({"BACKEND": DB, "ttl": 10}, "ttl", "TTL"),
+        ({"BACKEND": LOCMEM, "OPTION": {}}, "OPTION", "OPTIONS"),
+        ({"BACKEND": DB, "OPTIONS": {"DATABSE": "default"}}, "DATABSE", "DATABASE"),
+        ({"BACKEND": MYSQL, "OPTIONS": {"DATABASE": "mariadb", "TIMEOT": 5}}, "TIMEOT", "TIMEOUT"),
+        ({"BACKEND": REDIS, "OPTIONS": {"CACHE": "redis", "CAHCE": "redis"}}, "CAHCE", "CACHE"),
+        ({"BACKEND": REDLOCK, "OPTIONS": {"CACHES": ["r1", "r2", "r3"], "QUORUM": 2}}, "QUORUM", None),
+        (
+            {"BACKEND": ZK, "LOCATION": "127.0.0.1:1", "OPTIONS": {"SESION_TIMEOUT": 4}},
+            "SESION_TIMEOUT",
+            "SESSION_TIMEOUT",
+        ),
+        ({"BACKEND": LOCMEM, "OPTIONS": {"STORE": "x"}}, "STORE", None),
+    ],
+)
+def test_an_unknown_key_is_an_error_with_a_guess_and_no_ping(settings, entry, key, guess):
+    settings.DISTLOCKS = {"shop": entry}
+    [message] = check_distlocks()  # no W004: the ZooKeeper at 127.0.0.1:1 is not pinged
+    where = "DISTLOCKS['shop']" + ("['OPTIONS']" if key in entry.get("OPTIONS", {}) else "")
+    assert message.id == "distlocks.E010"
+    assert message.msg.startswith(f"{where} has an unknown key {key!r}: it is ignored.")
+    if guess:
+        assert message.msg.endswith(f"Did you mean {guess!r}?")
+    else:
+        assert "Did you mean" not in message.msg
+    if where.endswith("['OPTIONS']"):
+        names = import_string(entry["BACKEND"]).option_names
+        assert message.hint == f"The keys of {entry['BACKEND'].rsplit('.', 1)[1]}: {', '.join(names) or 'none'}" + (
+            "." if names else " (it takes no OPTIONS)."
+        )
+    else:
+        assert message.hint == "The keys: BACKEND, LOCATION, OPTIONS, TTL, KEY_PREFIX."
+
+
+def test_a_misspelt_cache_leaves_redis_on_the_default_cache_which_is_reported_too(settings):
+    settings.DISTLOCKS = {"shop": {"BACKEND": REDIS, "OPTIONS": {"CAHCE": "redis"}}}
+    assert [message.id for message in check_distlocks()] == ["distlocks.E010", "distlocks.E012"]
+
+
+@pytest.mark.parametrize(
+    ("entry", "instead"),
+    [
+        (
+            {"BACKEND": REDIS, "LOCATION": "redis://127.0.0.1:6379/0", "OPTIONS": {"CACHE": "redis"}},
+            "OPTIONS['CACHE'] names the django-redis cache",
+        ),
+        (
+            {"BACKEND": REDLOCK, "LOCATION": "redis://h1/0", "OPTIONS": {"CACHES": ["r1", "r2", "r3"]}},
+            "OPTIONS['CACHES'] lists the django-redis caches",
+        ),
+        ({"BACKEND": DB, "LOCATION": "mariadb"}, "OPTIONS['DATABASE'] names the database"),
+        (
+            {"BACKEND": MYSQL, "LOCATION": "127.0.0.1", "OPTIONS": {"DATABASE": "mariadb"}},
+            "OPTIONS['DATABASE'] names the database",
+        ),
+    ],
+)
+def test_location_on_a_backend_that_does_not_read_it_is_an_error_saying_what_to_use(settings, entry, instead):
+    settings.DISTLOCKS = {"shop": entry}
+    [message] = check_distlocks()
+    assert message.id == "distlocks.E011"
+    backend = entry["BACKEND"].rsplit(".", 1)[1]
+    assert message.msg == f"DISTLOCKS['shop'] sets LOCATION, which {backend} does not read."
+    assert message.hint.startswith(f"Remove it: {instead}")
+
+
+def test_location_where_it_is_read_is_fine(settings):
+    settings.DISTLOCKS = {"shop": {"BACKEND": LOCMEM, "LOCATION": "store"}}
+    assert check_distlocks() == []
+    assert unknown_settings("zk", {"BACKEND": ZK, "LOCATION": "127.0.0.1:1"}) == []
+
+
+def test_every_built_in_backend_declares_its_options_and_is_named_when_a_backend_cannot_be_imported(settings):
+    for path in BUILTIN_BACKENDS:
+        assert import_string(path).option_names is not None, path
+    assert LOCMEM in BUILTIN_BACKENDS
+    [(check_id, text)] = ids({"default": {"BACKEND": "distlocks.backends.nope.Backend"}}, settings)
+    assert check_id == "distlocks.E002"
+    assert f"Built-in backends: {', '.join(BUILTIN_BACKENDS)}" in text
+
+
+@pytest.mark.parametrize(
+    ("cache", "backend"),
+    [
+        ({"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}, REDIS),
+        # Django's own Redis cache: a Redis, but no django-redis client to lock with.
+        ({"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": "redis://127.0.0.1:1/0"}, REDIS),
+        ({"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}, REDLOCK),
+    ],
+)
+def test_a_cache_that_is_not_django_redis_is_an_error_not_a_server_down(settings, cache, backend):
+    settings.CACHES = {**settings.CACHES, "loc": cache}
+    options = {"CACHE": "loc"} if backend == REDIS else {"CACHES": ["r1", "r2", "loc"]}
+    settings.DISTLOCKS = {"shop": {"BACKEND": backend, "OPTIONS": options}}
+    [message] = check_distlocks()  # no W004 "is it running at loc?", no W010 about socket timeouts
+    alias = "shop" if backend == REDIS else "shop[loc]"
+    assert message.id == "distlocks.E012"
+    assert message.msg == (
+        f"DISTLOCKS[{alias!r}]: cache 'loc' is not a django-redis cache: its BACKEND is {cache['BACKEND']!r}."
+    )
+    assert "django_redis.cache.RedisCache" in message.hint
+    with pytest.raises(ImproperlyConfigured, match="cache 'loc' is not a django-redis cache"):
+        distlocks.lock("x", using="shop").acquire(wait=0)
+
+
+def test_the_demo_and_bench_settings_use_only_known_keys():
+    env = {
+        **os.environ,
+        "DISTLOCKS_REDIS_URL": "redis://127.0.0.1:1/0",
+        "DISTLOCKS_REDLOCK_URLS": "redis://127.0.0.1:1/1,redis://127.0.0.1:1/2,redis://127.0.0.1:1/3",
+        "DISTLOCKS_ZOOKEEPER": "127.0.0.1:1",
+    }
+    code = (
+        "import django, sys; django.setup()\n"
+        "from django.conf import settings; from distlocks.checks import unknown_settings\n"
+        "for alias, entry in settings.DISTLOCKS.items():\n"
+        "    print('checked', alias, file=sys.stderr)\n"
+        "    for message in unknown_settings(alias, entry): print(message.msg)\n"
+    )
+    for settings_module, aliases in (
+        ("demo_shop.settings", ["default", "redis", "redlock", "zookeeper"]),
+        ("bench.settings", ["default", "mariadb", "postgresql", "mariadb_native", "postgresql_native"]),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-c", code],
+            env={**env, "DJANGO_SETTINGS_MODULE": settings_module},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert (done.returncode, done.stdout) == (0, ""), done.stderr
+        assert [line.split()[1] for line in done.stderr.splitlines() if line.startswith("checked ")] == aliases

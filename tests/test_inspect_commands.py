@@ -59,19 +59,28 @@ def test_list_table_when_nothing_is_held():
     assert run("distlocks_list", "--using", "postgresql") == "No locks are held.\n"
 
 
-def test_a_backend_that_is_down_is_reported_and_the_others_still_listed(name, settings, workers):
+@pytest.mark.parametrize(
+    ("cache", "reason"),
+    [
+        ("redis_down", "is unavailable"),
+        # The test settings' "default" cache is a LocMemCache: no Redis to ask.
+        ("default", "cache 'default' is not a django-redis cache"),
+    ],
+)
+def test_a_backend_that_is_down_is_reported_and_the_others_still_listed(name, settings, workers, cache, reason):
     holder = workers("hold", "redis", name, 30)
     holder.line()
     distlocks_setting = {
         **settings.DISTLOCKS,
-        "down": {"BACKEND": "distlocks.backends.redis.RedisBackend", "OPTIONS": {"CACHE": "redis_down"}},
+        "down": {"BACKEND": "distlocks.backends.redis.RedisBackend", "OPTIONS": {"CACHE": cache}},
     }
     with override_settings(DISTLOCKS=distlocks_setting):
         out, err = StringIO(), StringIO()
         with pytest.raises(CommandError, match="could not list the locks of: down"):
-            call_command("distlocks_list", "--using", "redis", "--using", "down", stdout=out, stderr=err)
+            call_command("distlocks_list", "--using", "down", "--using", "redis", stdout=out, stderr=err)
     assert name in out.getvalue()
     assert err.getvalue().startswith("down: cannot list locks: ")
+    assert reason in err.getvalue()
 
 
 def test_unknown_alias():

@@ -207,6 +207,12 @@ class BaseLockBackend:
     #: True if a hold lives as long as the holding process's session, not as a
     #: lease: another process can then never take it over (``detach``/``resume``).
     session_bound = False
+    #: The keys of a DISTLOCKS entry this backend reads (``manage.py check`` reports any other as a typo).
+    setting_names: tuple[str, ...] = ("BACKEND", "LOCATION", "OPTIONS", "TTL", "KEY_PREFIX")
+    #: The ``OPTIONS`` keys this backend reads; None: not declared, so not checked.
+    option_names: tuple[str, ...] | None = None
+    #: What to set instead of LOCATION, if this backend does not read it (a LOCATION given is then an error).
+    location_instead: str | None = None
 
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         self.alias = alias

@@ -248,6 +248,7 @@ class LocMemBackend(BaseLockBackend):
     """Locks in this process's memory, for tests (see the module's docstring)."""
 
     side_class = LocMemSide
+    option_names = ()
 
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         super().__init__(alias, params)

@@ -244,6 +244,11 @@ class RedlockBackend(BaseLockBackend):
 
     max_key_length = RedisBackend.max_key_length
     cleanup_noun = RedisBackend.cleanup_noun
+    option_names = ("CACHES",)
+    location_instead = (
+        "OPTIONS['CACHES'] lists the django-redis caches (aliases of CACHES), one per Redis server: "
+        "set each server's URL as its cache's LOCATION."
+    )
 
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         super().__init__(alias, params)

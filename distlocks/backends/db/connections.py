@@ -97,6 +97,15 @@ def missing_database(alias: str, database: str) -> checks.CheckMessage:
     )
 
 
+#: The OPTIONS of a database lock backend (``connection_options`` reads them).
+CONNECTION_OPTIONS = ("DATABASE", "CONNECT_TIMEOUT", "TIMEOUT")
+#: What a database lock backend reads instead of LOCATION.
+LOCATION_INSTEAD = (
+    "OPTIONS['DATABASE'] names the database (an alias of DATABASES, default 'default') "
+    "whose connection settings the locks use."
+)
+
+
 def connection_options(alias: str, options: dict[str, Any]) -> tuple[str, float, float]:
     """A database lock backend's ``OPTIONS``: (DATABASE, CONNECT_TIMEOUT, TIMEOUT), checked."""
     try:
@@ -250,6 +259,9 @@ RAISE = _Raise()
 
 class OwnConnectionBackend(BaseLockBackend):
     """A backend whose lock statements run on a connection of its own (``_using``), through ``_run``."""
+
+    option_names = CONNECTION_OPTIONS
+    location_instead = LOCATION_INSTEAD
 
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         super().__init__(alias, params)

@@ -34,6 +34,8 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from distlocks.backends.base import BaseLockBackend, LockInfo
 from distlocks.backends.db.connections import (
+    CONNECTION_OPTIONS,
+    LOCATION_INSTEAD,
     close_if_dropped,
     connection_options,
     database_of,
@@ -113,6 +115,8 @@ class NativeLockBackend(BaseLockBackend):
 
     max_key_length = 255
     session_bound = True  # the server's lock belongs to a session: no detach/resume in another process
+    option_names = CONNECTION_OPTIONS
+    location_instead = LOCATION_INSTEAD
     vendor = ""
 
     def __init__(self, alias: str, params: dict[str, Any]) -> None:

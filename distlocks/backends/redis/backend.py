@@ -53,6 +53,11 @@ class RedisBackend(BaseLockBackend):
     max_key_length = 1024
     cleanup_noun = "unused fencing counters"
     side_class = RedisSide
+    option_names = ("CACHE",)
+    location_instead = (
+        "OPTIONS['CACHE'] names the django-redis cache (an alias of CACHES, default 'default') "
+        "whose Redis holds the locks: set the Redis URL as that cache's LOCATION."
+    )
 
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         super().__init__(alias, params)
@@ -372,6 +377,21 @@ class RedisBackend(BaseLockBackend):
         for warning in self._eviction_warnings(policy):
             logger.warning("%s %s", warning.msg, warning.hint)
 
+    @staticmethod
+    def _not_django_redis(cache: Any) -> str | None:
+        """Why the CACHES entry ``cache`` is not a django-redis cache, or None if it is (no I/O)."""
+        from django.utils.module_loading import import_string
+        from django_redis.cache import RedisCache
+
+        path = cache.get("BACKEND") if isinstance(cache, dict) else None
+        try:
+            backend_class = import_string(str(path))
+        except ImportError as exc:
+            return f"its BACKEND {path!r} cannot be imported ({exc})"
+        if isinstance(backend_class, type) and issubclass(backend_class, RedisCache):
+            return None
+        return f"its BACKEND is {path!r}"
+
     def check(self) -> list[checks.CheckMessage]:
         from django.conf import settings
 
@@ -391,6 +411,16 @@ class RedisBackend(BaseLockBackend):
                     f"DISTLOCKS[{self.alias!r}] needs django-redis.",
                     hint="pip install 'distlocks[redis]'",
                     id="distlocks.E005",
+                )
+            ]
+        not_redis = self._not_django_redis(settings.CACHES[self.cache])
+        if not_redis:
+            return [
+                checks.Error(
+                    f"DISTLOCKS[{self.alias!r}]: cache {self.cache!r} is not a django-redis cache: {not_redis}.",
+                    hint="Set OPTIONS['CACHE'] to an alias of CACHES whose BACKEND is django_redis.cache.RedisCache "
+                    "(Django's own django.core.cache.backends.redis.RedisCache gives no client to lock with).",
+                    id="distlocks.E012",
                 )
             ]
         missing = [name for name in TIMEOUTS if not sets_timeout(settings.CACHES[self.cache], name)]

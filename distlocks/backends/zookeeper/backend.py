@@ -107,6 +107,7 @@ class ZooKeeperBackend(BaseLockBackend):
     cleanup_noun = "empty lock nodes"
     session_bound = True
     side_class = ZooKeeperSide
+    option_names = ("ROOT", "SESSION_TIMEOUT", "CONNECT_TIMEOUT", "AUTH", "ACL")
 
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         super().__init__(alias, params)
