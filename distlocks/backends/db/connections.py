@@ -156,10 +156,16 @@ os.register_at_fork(after_in_child=_forget_parents_connections)
 
 
 def close_connections() -> None:
-    """Close every lock connection of this process (each reopens when next used)."""
+    """Close every lock connection of this process (each reopens when next used).
+
+    A connection that another thread is closing at the same moment (the
+    watchdog ending a hold of a thread that ended) makes the driver refuse the
+    second close: that one is closed already, and the others still are.
+    """
     with _opened_lock:
         for connection in _opened:
-            connection.close()
+            with contextlib.suppress(DatabaseError):
+                connection.close()
 
 
 def close_if_dropped(connection: BaseDatabaseWrapper) -> None:
