@@ -25,6 +25,17 @@ async def ticker(ticks):
         ticks.append(time.monotonic())
 
 
+async def each_unavailable_in_bounded_time(calls, ticks):
+    """Each of ``calls`` on a frozen server raises BackendUnavailable in bounded time while the loop ticks on."""
+    for call in calls:
+        frozen_at = time.monotonic()
+        with pytest.raises(distlocks.BackendUnavailable):
+            await call()
+        took = time.monotonic() - frozen_at
+        assert took < 15, f"BackendUnavailable only after {took:.1f}s"  # socket timeout 2 s
+        assert ticks[-1] > time.monotonic() - 1, "the loop stalled"
+
+
 def test_a_task_cancelled_while_its_attempt_hangs_leaves_no_lock_once_the_server_answers(own_redis, name):
     """The attempt goes on in the pool after the cancel; when it ends holding the lock, the lock is released."""
     server = own_redis(REDIS_PORT + 90, SOCKET_CONNECT_TIMEOUT=2, SOCKET_TIMEOUT=10)
@@ -101,13 +112,9 @@ def test_a_task_on_a_frozen_redis_gets_backend_unavailable_in_bounded_time_witho
         lk = distlocks.alock(name, using="own", ttl=30)
         assert await lk.acquire(wait=0)  # connections are open: the frozen server's kernel takes the requests
         with frozen(server):
-            for call in (lk.release, lambda: distlocks.alock(name + "-2", using="own").acquire(wait=0)):
-                frozen_at = time.monotonic()
-                with pytest.raises(distlocks.BackendUnavailable):
-                    await call()
-                took = time.monotonic() - frozen_at
-                assert took < 15, f"BackendUnavailable only after {took:.1f}s"  # socket timeout 2 s
-                assert ticks[-1] > time.monotonic() - 1, "the loop stalled"
+            await each_unavailable_in_bounded_time(
+                [lk.release, lambda: distlocks.alock(name + "-2", using="own").acquire(wait=0)], ticks
+            )
         ticking.cancel()
 
     monkeypatch.setattr(aio, "_pool", aio._Pool())  # a pool of its own, started by the first call it runs
@@ -152,13 +159,7 @@ def test_a_read_write_side_on_a_frozen_redis_gets_backend_unavailable_in_bounded
         await held.release()
         assert held.hold_count == 1
         with frozen(server):
-            for call in (held.release, lambda: other.acquire(wait=0)):
-                frozen_at = time.monotonic()
-                with pytest.raises(distlocks.BackendUnavailable):
-                    await call()
-                took = time.monotonic() - frozen_at
-                assert took < 15, f"BackendUnavailable only after {took:.1f}s"  # socket timeout 2 s
-                assert ticks[-1] > time.monotonic() - 1, "the loop stalled"
+            await each_unavailable_in_bounded_time([held.release, lambda: other.acquire(wait=0)], ticks)
         ticking.cancel()
         # Once Redis answers again, the other side's acquire and release go through, still on the loop.
         assert await other.acquire(wait=5)

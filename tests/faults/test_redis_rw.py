@@ -14,6 +14,7 @@ from distlocks.backends.redis import strays
 from localservers import REDIS_PORT
 from tests.conftest import DB
 from tests.faults.conftest import frozen
+from tests.faults.test_redis import taken_by_another_thread
 
 pytestmark = [DB, pytest.mark.servers("redis")]
 
@@ -38,18 +39,7 @@ def timed_out_acquire(server, side):
 
 def taken_elsewhere(name, mode, wait):
     """Whether another thread (another owner) takes the ``mode`` side within ``wait`` seconds; it gives it back."""
-    result = []
-
-    def take():
-        other = getattr(distlocks.read_write_lock(name, using="own", ttl=30), mode)()
-        result.append(other.acquire(wait=wait))
-        if result[0]:
-            other.release()
-
-    thread = threading.Thread(target=take)
-    thread.start()
-    thread.join(wait + 30)
-    return result[0]
+    return taken_by_another_thread(lambda: getattr(distlocks.read_write_lock(name, using="own", ttl=30), mode)(), wait)
 
 
 def rw_hash(name):
