@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from django.core import checks
@@ -64,16 +64,10 @@ class ZooKeeperSide(ReadWriteSide):
 
     def blocker(self, key: str) -> str | None:
         """The last node that keeps our queued node waiting, to watch; None: try again now."""
-        zk, lock = self.backend, self.lock_key(key)
-        queued = zk._queued.get(key)
-        if queued is None:
-            return None
-        children = rw_queue(zk._request("get_children", zk._parent(lock)))
-        mine = queued[0].rsplit("/", 1)[1]
-        if mine not in children:
-            return None  # gone with a lost session: the next attempt queues again
-        blockers = rw_blockers(children, mine)
-        return f"{zk._parent(lock)}/{blockers[-1]}" if blockers else None
+        zk = self.backend
+        return zk._last_ahead(
+            key, zk._parent(self.lock_key(key)), lambda nodes, mine: rw_blockers(rw_queue(nodes), mine)
+        )
 
     def async_turn(self, key: str) -> AsyncTurn:
         return ZooKeeperTurn(key)
@@ -211,15 +205,25 @@ class ZooKeeperBackend(BaseLockBackend):
 
     def blocker(self, key: str) -> str | None:
         """The node just below our queued node, to watch; None: try again now."""
+        return self._last_ahead(
+            key, self._parent(key), lambda nodes, mine: [n for n in queue(nodes) if sequence(n) < sequence(mine)]
+        )
+
+    def _last_ahead(self, key: str, parent: str, ahead: Callable[[list[str], str], list[str]]) -> str | None:
+        """The last of ``ahead(children of parent, our node)``, the nodes our queued node for ``key`` waits for.
+
+        None: try again now (nothing queued, our node gone with a lost
+        session, or nothing ahead).
+        """
         queued = self._queued.get(key)
         if queued is None:
             return None
-        children = queue(self._request("get_children", self._parent(key)))
+        children = self._request("get_children", parent)
         mine = queued[0].rsplit("/", 1)[1]
         if mine not in children:
             return None  # gone with a lost session: the next attempt queues again
-        below = [child for child in children if sequence(child) < sequence(mine)]
-        return f"{self._parent(key)}/{below[-1]}" if below else None
+        nodes = ahead(children, mine)
+        return f"{parent}/{nodes[-1]}" if nodes else None
 
     def async_turn(self, key: str) -> AsyncTurn:
         return ZooKeeperTurn(key)
