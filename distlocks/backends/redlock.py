@@ -9,13 +9,16 @@ nodes being down or restarted empty; with a majority down nothing can be
 acquired: ``LockNotAcquired`` after ``wait``, or ``BackendUnavailable`` when not
 even a majority of nodes answers.
 
-The nodes are asked at once, each by a few daemon threads of its own per
-process, and a call waits for a node at most a tenth of the lease
+The nodes are asked at once, each by a daemon thread of its own per process,
+and a call waits for a node at most a tenth of the lease
 (``NODE_DEADLINE_SHARE``), returning as soon as the answers settle it: a node
 that hangs (a black hole: connections accepted, never answered) costs at most
-that, never its socket timeout, and delays no other node. Any error from a node
-(``READONLY`` after a failover, ``OOM``, ``MISCONF``, a timeout) or an answer
-after the deadline counts as that node failing. A take that answers late is
+that, never its socket timeout, and delays no other node. The calls waiting
+for a node that hangs form a bounded backlog (``redlock_workers``: calls whose
+round is over are dropped, releases once the leases they could end have run
+out), so that the node is back in the rounds soon after it answers again.
+Any error from a node (``READONLY`` after a failover, ``OOM``, ``MISCONF``, a
+timeout) or an answer after the deadline counts as that node failing. A take that answers late is
 given back if the attempt failed, and kept (it holds the lock on one more node)
 if it succeeded.
 
@@ -44,9 +47,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
-import os
-import queue
 import random
 import threading
 import time
@@ -58,6 +58,7 @@ from django.core.exceptions import ImproperlyConfigured
 
 from distlocks.backends.base import BaseLockBackend, LockInfo
 from distlocks.backends.redis import RedisBackend
+from distlocks.backends.redlock_workers import LATE, PENDING, Call, Failed, Round, submit
 from distlocks.exceptions import BackendUnavailable
 from distlocks.owner import Owner
 
@@ -69,60 +70,6 @@ INSPECT_SECONDS = 10.0
 #: How far (µs) the token an acquire proposes runs ahead of this host's clock: the clock skew between
 #: this host and the nodes below which they all give the proposed token, with no second round.
 TOKEN_LEAD = 1_000_000
-#: Threads per node and process that put the questions to it. One: a node then answers one
-#: owner's questions in the order they were asked, so that a release (or the undoing of a failed
-#: attempt) still on its way can never overtake, and delete, the same owner's next take of the
-#: lock there; and a node that hangs holds one thread.
-WORKERS_PER_NODE = 1
-
-
-class _Failed:
-    """A node's answer that is none: an error, or nothing within the deadline. False, like a refusal."""
-
-    def __init__(self, error: Exception | None = None) -> None:
-        self.error = error
-
-    def __bool__(self) -> bool:
-        return False
-
-
-_PENDING = object()
-_LATE = _Failed()  # no answer within the deadline
-
-
-class _Round:
-    """One question put to several nodes at once: the answers that came in time."""
-
-    def __init__(self, size: int, settled: Callable[[list[Any]], bool] | None, deadline: float) -> None:
-        self.answers: list[Any] = [_PENDING] * size
-        self.settled = settled
-        self.deadline = deadline
-        self.closed = False
-        self.changed = threading.Condition(threading.Lock())
-
-    def answer(self, index: int, answer: Any) -> bool:
-        """Record a node's answer; False if it came too late: the asker went on without it."""
-        with self.changed:
-            if self.closed:
-                return False
-            self.answers[index] = answer
-            if self._over():  # wake the asker only when it can go on: each wake-up costs a thread switch
-                self.changed.notify()
-            return True
-
-    def _over(self) -> bool:
-        return _PENDING not in self.answers or (self.settled is not None and self.settled(self.answers))
-
-    def wait(self) -> list[Any]:
-        """Wait until every node answered, the answers settle the question, or the deadline; close the round."""
-        with self.changed:
-            while not self._over():
-                left = self.deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self.changed.wait(left)
-            self.closed = True
-            return [_LATE if answer is _PENDING else answer for answer in self.answers]
 
 
 def _settled(need: int) -> Callable[[list[Any]], bool]:
@@ -133,70 +80,11 @@ def _settled(need: int) -> Callable[[list[Any]], bool]:
     """
 
     def settled(answers: list[Any]) -> bool:
-        yes = sum(1 for answer in answers if answer is not _PENDING and answer)
-        no = sum(1 for answer in answers if answer is not _PENDING and not answer and not isinstance(answer, _Failed))
+        yes = sum(1 for answer in answers if answer is not PENDING and answer)
+        no = sum(1 for answer in answers if answer is not PENDING and not answer and not isinstance(answer, Failed))
         return yes >= need or (no > len(answers) - need and yes + no >= need)
 
     return settled
-
-
-class _NodeWorkers:
-    """Daemon threads that put one node's questions to it, so that a node that hangs delays no other's."""
-
-    def __init__(self) -> None:
-        self.tasks: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self.idle = threading.Semaphore(0)
-        self.count = 0
-        self.lock = threading.Lock()
-
-    def submit(self, task: Callable[[], None]) -> None:
-        self.tasks.put(task)
-        if self.idle.acquire(blocking=False):
-            return
-        with self.lock:
-            if self.count >= WORKERS_PER_NODE:
-                return  # queued: a busy worker takes it, or its deadline passes first
-            self.count += 1
-        threading.Thread(target=self._work, name="distlocks-redlock", daemon=True).start()
-
-    def _work(self) -> None:
-        while True:
-            self.tasks.get()()
-            self.idle.release()
-
-
-# This process's workers, per cache alias: a forked child starts without its parent's threads.
-_workers: dict[str, _NodeWorkers] = {}
-_workers_lock = threading.Lock()
-
-
-def _forget_workers_after_fork() -> None:
-    global _workers_lock
-    _workers_lock = threading.Lock()
-    _workers.clear()
-
-
-os.register_at_fork(after_in_child=_forget_workers_after_fork)
-
-
-def _workers_of(cache: str) -> _NodeWorkers:
-    workers = _workers.get(cache)
-    if workers is None:
-        with _workers_lock:
-            workers = _workers.setdefault(cache, _NodeWorkers())
-    return workers
-
-
-def _put(round_: _Round, index: int, node: RedisBackend, call: Callable[..., Any], late: Any, always: bool) -> None:
-    """Put ``call`` to ``node`` for a round, unless it was over while it queued (``always``: even then); a late answer to ``late``."""
-    if not always and (round_.closed or time.monotonic() >= round_.deadline):
-        return  # never asked: nothing to undo
-    try:
-        answer = call(node)
-    except Exception as exc:  # any error (READONLY, OOM, MISCONF, a timeout) is that node failing
-        answer = _Failed(exc)
-    if not round_.answer(index, answer) and late is not None:
-        late(node, answer)
 
 
 class _LateTakes:
@@ -234,7 +122,7 @@ class _LateTakes:
         with contextlib.suppress(Exception):
             if self.acquired and answer and answer != self.token:
                 node.raise_token(self.key, self.owner, self.token)
-            elif not self.acquired and (answer or isinstance(answer, _Failed)):
+            elif not self.acquired and (answer or isinstance(answer, Failed)):
                 # A take that failed may have taken the lock before its answer was lost.
                 node.release(self.key, self.owner)
 
@@ -271,25 +159,24 @@ class RedlockBackend(BaseLockBackend):
         nodes: list[int] | None = None,
         late: Callable[[RedisBackend, Any], Any] | None = None,
         always: bool = False,
+        lease: float = 0.0,
     ) -> list[Any]:
         """Put ``call`` to the ``nodes`` (indexes; all by default) at once; return their answers in order.
 
         Waits until all answered, ``settled(answers)`` or ``seconds`` passed; a
-        node that raised or did not answer in time gives a false ``_Failed``.
+        node that raised or did not answer in time gives a false ``Failed``.
         A late answer goes to ``late(node, answer)``, in the node's worker thread.
         With ``always``, a node's worker puts ``call`` to it even after the round
-        is over (a release: it must reach a node still busy with a late take).
+        is over (a release: it must reach a node still busy with a late take),
+        until any ``lease`` set there before has run out (see ``redlock_workers``).
         """
         asked = list(range(len(self.nodes))) if nodes is None else nodes
-        round_ = _Round(len(asked), settled, time.monotonic() + seconds)
+        round_ = Round(len(asked), settled, time.monotonic() + seconds)
         for index, node in enumerate(asked):
-            node_backend = self.nodes[node]
-            _workers_of(node_backend.cache).submit(
-                functools.partial(_put, round_, index, node_backend, call, late, always)
-            )
+            submit(Call(round_, index, self.nodes[node], call, late, always, lease))
         answers = round_.wait()
         for answer in answers:
-            if isinstance(answer, _Failed) and isinstance(answer.error, ImproperlyConfigured):
+            if isinstance(answer, Failed) and isinstance(answer.error, ImproperlyConfigured):
                 raise answer.error
         return answers
 
@@ -297,7 +184,7 @@ class RedlockBackend(BaseLockBackend):
         return ttl * NODE_DEADLINE_SHARE
 
     def _answered(self, answers: list[Any]) -> None:
-        answered = sum(not isinstance(answer, _Failed) for answer in answers)
+        answered = sum(not isinstance(answer, Failed) for answer in answers)
         if answered < self.quorum:
             raise BackendUnavailable(
                 f"Redlock {self.alias!r}: only {answered} of {len(self.nodes)} Redis nodes answer, "
@@ -317,6 +204,7 @@ class RedlockBackend(BaseLockBackend):
             deadline,
             _settled(self.quorum),
             late=late.arrived,
+            lease=ttl,
         )
         won = {index: token for index, token in enumerate(tokens) if token}
         if len(won) >= self.quorum:
@@ -329,7 +217,7 @@ class RedlockBackend(BaseLockBackend):
         late.settle(acquired=False)
         # Not a majority in time: undo what was taken (or may have been), everywhere it answered.
         taken = [
-            index for index, token in enumerate(tokens) if token or (token is not _LATE and isinstance(token, _Failed))
+            index for index, token in enumerate(tokens) if token or (token is not LATE and isinstance(token, Failed))
         ]
         if taken:
             self._ask(lambda node: node.release(key, owner), deadline, nodes=taken)
@@ -350,17 +238,20 @@ class RedlockBackend(BaseLockBackend):
         return sum(bool(answer) for answer in raised) >= need
 
     def reenter(self, key: str, owner: Owner, ttl: float) -> bool:
-        return self._majority(lambda node: node.reenter(key, owner, ttl), ttl)
+        return self._majority(lambda node: node.reenter(key, owner, ttl), ttl, lease=ttl)
 
     def release(self, key: str, owner: Owner) -> bool:
-        # Also to a node busy with a take that answers late (kept): else it would hold the lock there, for nobody.
+        # Also to a node busy with a take that answers late (kept): else it would hold the lock there, for nobody
+        # (until the leases set there before have run out: the backlog's policy, see ``redlock_workers``).
         return self._majority(lambda node: node.release(key, owner), self.default_ttl, always=True)
 
     def extend(self, key: str, owner: Owner, ttl: float) -> bool:
-        return self._majority(lambda node: node.extend(key, owner, ttl), ttl)
+        return self._majority(lambda node: node.extend(key, owner, ttl), ttl, lease=ttl)
 
-    def _majority(self, call: Callable[[RedisBackend], bool], ttl: float, always: bool = False) -> bool:
-        answers = self._ask(call, self._deadline(ttl), _settled(self.quorum), always=always)
+    def _majority(
+        self, call: Callable[[RedisBackend], bool], ttl: float, always: bool = False, lease: float = 0.0
+    ) -> bool:
+        answers = self._ask(call, self._deadline(ttl), _settled(self.quorum), always=always, lease=lease)
         if sum(bool(answer) for answer in answers) >= self.quorum:
             return True
         self._answered(answers)
@@ -416,7 +307,7 @@ class RedlockBackend(BaseLockBackend):
 
     def clear_expired(self, dry_run: bool = False) -> int:
         answers = self._ask(lambda node: node.clear_expired(dry_run), INSPECT_SECONDS)
-        return sum(count for count in answers if not isinstance(count, _Failed))
+        return sum(count for count in answers if not isinstance(count, Failed))
 
     @property
     def address(self) -> str:
@@ -428,7 +319,7 @@ class RedlockBackend(BaseLockBackend):
         Otherwise return the nodes' warnings about their configuration.
         """
         answers = self._ask(lambda node: node.ping() or [], PING_SECONDS)
-        down = [node.address for node, answer in zip(self.nodes, answers, strict=True) if isinstance(answer, _Failed)]
+        down = [node.address for node, answer in zip(self.nodes, answers, strict=True) if isinstance(answer, Failed)]
         if down:
             raise BackendUnavailable(
                 f"Redlock {self.alias!r}: {len(down)} of {len(self.nodes)} Redis nodes do not answer ({', '.join(down)}); "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import statistics
 import threading
 import time
 
@@ -11,13 +12,14 @@ import pytest
 from django_redis import get_redis_connection
 
 import distlocks
+from distlocks.backends import redlock_workers
 from distlocks.backends.redis.keys import keys_of_lock
 from distlocks.backends.redlock import NODE_DEADLINE_SHARE
 from distlocks.handler import locks
 from distlocks.owner import current_owner
 from localservers import REDIS_PORT, RedisServer, answers
 from tests.conftest import DB, Holder, guarded_events
-from tests.faults.conftest import free_elsewhere
+from tests.faults.conftest import FreezableProxy, free_elsewhere
 
 pytestmark = [DB, pytest.mark.servers("redis")]
 
@@ -334,3 +336,85 @@ def test_a_frozen_majority_fails_the_acquire_in_bounded_time_and_leaves_no_stray
     _until(lambda: nodes.holding(key) == set(), f"left behind on {nodes.holding(key)}", seconds=ttl / 4)
     assert _taken_everywhere(nodes, name, seconds=ttl / 4), f"held on {nodes.holding(key)}"
     assert time.monotonic() - thawed < ttl / 4
+
+
+def _cycles(name, seconds, pace=0.0, during=None):
+    """Take and give back the lock ``name`` (ttl 1 s) again and again for ``seconds``; each cycle's duration.
+
+    A cycle starts ``pace`` seconds after the last began, at the earliest;
+    ``during()`` runs after each (a probe). Every take must succeed.
+    """
+    durations = []
+    deadline = time.monotonic() + seconds
+    while (started := time.monotonic()) < deadline:
+        lk = distlocks.lock(name, using="rl", ttl=1, renew=False)
+        assert lk.acquire(wait=0)
+        lk.release()
+        durations.append(time.monotonic() - started)
+        if during is not None:
+            during()
+        time.sleep(max(0.0, started + pace - time.monotonic()))
+    return durations
+
+
+@pytest.mark.parametrize(
+    ("most", "pace", "drops"),
+    [
+        (None, 0.005, {"round over", "leases over"}),  # a lease's releases (~200) are kept
+        (100, 0.0, {"round over", "no room"}),  # more than fit: the oldest go
+    ],
+    ids=["releases-kept-for-their-lease", "backlog-full"],
+)
+def test_a_black_holed_nodes_backlog_stays_bounded_and_it_is_back_in_the_rounds_soon_after(
+    nodes, name, settings, monkeypatch, most, pace, drops
+):
+    if most is not None:
+        monkeypatch.setattr(redlock_workers, "MAX_BACKLOG", most)
+    # Node 0 behind a TCP proxy, as a cache alias of this test's own (a backlog of its own in this process).
+    proxy = FreezableProxy(PORTS[0])
+    cache = f"n1-{name}"
+    settings.CACHES = {
+        **settings.CACHES,
+        cache: {**settings.CACHES["n1"], "LOCATION": f"redis://127.0.0.1:{proxy.port}/0"},
+    }
+    settings.DISTLOCKS = {
+        **settings.DISTLOCKS,
+        "rl": {**settings.DISTLOCKS["rl"], "OPTIONS": {"CACHES": [cache, "n2", "n3", "n4", "n5"]}},
+    }
+    backend = locks["rl"]
+    deadline = 1 * NODE_DEADLINE_SHARE  # the rounds' deadline at ttl 1
+    try:
+        before = _cycles(name, 1.0, pace)
+        sizes = []
+        with proxy.frozen(most=30):
+            during = _cycles(name, 4.0, pace, lambda: sizes.append(redlock_workers.backlog(cache)[0]))
+        thawed = time.monotonic()
+        queued, dropped = redlock_workers.backlog(cache)
+        # Bounded while the node did not answer: calls whose round was over dropped, releases past
+        # their leases (the releases of one lease's cycles, up to twice that between two sweeps), or the oldest.
+        bound = most or 2 * len(during) / 4.0 * 1 + 2 * redlock_workers.SWEEP_FROM
+        assert max(sizes) <= bound, f"{max(sizes)} calls queued for the black-holed node ({len(during)} cycles)"
+        assert set(dropped) == drops
+        # The other four kept the lock going at their own pace: no cycle waited for the black-holed node.
+        assert statistics.median(during) < min(deadline, 3 * statistics.median(before) + 0.01)
+        # Back soon after the thaw: what it kept drains, and a fresh round reaches it within its deadline.
+        _until(lambda: redlock_workers.backlog(cache)[0] == 0, f"{queued} queued at the thaw", seconds=5.0)
+        drained = time.monotonic() - thawed
+        print(
+            "DEBUG",
+            max(sizes),
+            dropped,
+            len(before),
+            len(during),
+            statistics.median(before),
+            statistics.median(during),
+            queued,
+            drained,
+        )
+        assert drained < 2.0
+        key, owner = backend.make_key(name), current_owner()
+        answers = backend._ask(lambda node: node.take_at_least(key, owner, 1, 0) or 0, deadline)
+        assert answers[0], f"node 0 answered {answers[0]!r}: not back in the round {drained:.2f}s after the thaw"
+        assert backend.release(key, owner)
+    finally:
+        proxy.close()

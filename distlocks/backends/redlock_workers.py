@@ -1,0 +1,244 @@
+"""Redlock's rounds, and each node's backlog of calls, put to it in order by a thread of its own.
+
+Backlog policy (a node that does not answer, under steady lock traffic,
+must cost neither unbounded memory nor, once it answers again, a long replay
+of calls that no longer matter, which would keep it out of fresh rounds):
+
+- A call whose round is over is dropped unless it is ``always`` (a release):
+  the asker went on without it, and it was never put to the node, so there is
+  nothing to undo.
+- A release is kept after its round, since it must reach a node still busy
+  with a late take of the lock (else that node holds it for nobody), but only
+  until the leases asked for by the calls queued for the node before it have
+  run out, counted from when those calls were queued (under steady traffic:
+  the lease after the release was queued): a hold it could end has ended on
+  the node by itself. A node that thaws within the lease gets the release
+  (the backlog drains in moments); one that stays away longer gets none, and a
+  take it buffered holds the lock there, on a minority, for at most one lease
+  after the thaw.
+- Past ``MAX_BACKLOG`` calls, the oldest is dropped (as ``redis/strays.py``
+  does): of the releases, the one closest to running out by itself.
+
+Drops are counted per reason (``backlog(cache)``), and the first drop for
+lack of room while the node is away is logged as a warning.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from distlocks.backends.redis import RedisBackend
+
+logger = logging.getLogger(__name__)
+
+#: At most this many calls wait per node and process; past it the oldest is dropped.
+MAX_BACKLOG = 1000
+#: The backlog is swept for calls to drop once as many calls were added since the last sweep as it
+#: kept, and at least this many: a sweep's pass is paid for by the calls added since the last.
+SWEEP_FROM = 32
+
+
+class Failed:
+    """A node's answer that is none: an error, or nothing within the deadline. False, like a refusal."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.error = error
+
+    def __bool__(self) -> bool:
+        return False
+
+
+PENDING = object()
+LATE = Failed()  # no answer within the deadline (or never asked: dropped from a full backlog)
+
+
+class Round:
+    """One question put to several nodes at once: the answers that came in time."""
+
+    def __init__(self, size: int, settled: Callable[[list[Any]], bool] | None, deadline: float) -> None:
+        self.answers: list[Any] = [PENDING] * size
+        self.settled = settled
+        self.deadline = deadline
+        self.closed = False
+        self.changed = threading.Condition(threading.Lock())
+
+    def answer(self, index: int, answer: Any) -> bool:
+        """Record a node's answer; False if it came too late: the asker went on without it."""
+        with self.changed:
+            if self.closed:
+                return False
+            self.answers[index] = answer
+            if self._over():  # wake the asker only when it can go on: each wake-up costs a thread switch
+                self.changed.notify()
+            return True
+
+    def over(self, now: float) -> bool:
+        return self.closed or now >= self.deadline
+
+    def _over(self) -> bool:
+        return PENDING not in self.answers or (self.settled is not None and self.settled(self.answers))
+
+    def wait(self) -> list[Any]:
+        """Wait until every node answered, the answers settle the question, or the deadline; close the round."""
+        with self.changed:
+            while not self._over():
+                left = self.deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.changed.wait(left)
+            self.closed = True
+            return [LATE if answer is PENDING else answer for answer in self.answers]
+
+
+@dataclass(eq=False)
+class Call:
+    """One node's part of a round: ``call(node)``, its answer to ``round_.answer(index)``, a late one to ``late``.
+
+    ``always``: put to the node after the round too (see the module's policy);
+    ``lease``: the lease the call sets on the node, if it sets one; ``until``:
+    when the leases of the calls queued before it have run out (set on queuing).
+    """
+
+    round_: Round
+    index: int
+    node: RedisBackend
+    call: Callable[[RedisBackend], Any]
+    late: Callable[[RedisBackend, Any], Any] | None = None
+    always: bool = False
+    lease: float = 0.0
+    queued: float = field(default_factory=time.monotonic)
+    until: float = 0.0
+
+    def put(self) -> None:
+        try:
+            answer = self.call(self.node)
+        except Exception as exc:  # any error (READONLY, OOM, MISCONF, a timeout) is that node failing
+            answer = Failed(exc)
+        if not self.round_.answer(self.index, answer) and self.late is not None:
+            self.late(self.node, answer)
+
+
+class NodeBacklog:
+    """One node's calls, put to it in the order they came by one daemon thread.
+
+    One thread: a node then answers one owner's questions in the order they
+    were asked, so that a release (or the undoing of a failed attempt) still
+    on its way can never overtake, and delete, the same owner's next take of
+    the lock there; and a node that hangs holds one thread, and delays no other node.
+    """
+
+    def __init__(self, cache: str) -> None:
+        self.cache = cache
+        self.calls: collections.deque[Call] = collections.deque()
+        self.ready = threading.Condition(threading.Lock())
+        self.thread: threading.Thread | None = None
+        self.leases_end = 0.0  # when the leases asked for by the calls queued so far run out
+        self.kept = 0  # the backlog's length after the last sweep
+        self.added = 0  # calls queued since
+        self.dropped: collections.Counter[str] = collections.Counter()
+        self.overflowing = False
+
+    def submit(self, call: Call) -> None:
+        with self.ready:
+            call.until = self.leases_end
+            self.leases_end = max(self.leases_end, call.queued + call.lease)
+            self.added += 1
+            if self.added >= max(SWEEP_FROM, self.kept):
+                self._sweep(call.queued)
+            if len(self.calls) >= MAX_BACKLOG:
+                self._drop_oldest(call.queued)
+            self.calls.append(call)
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._work, name="distlocks-redlock", daemon=True)
+                self.thread.start()
+            self.ready.notify()
+
+    def _drop_reason(self, call: Call, now: float) -> str | None:
+        if not call.round_.over(now):
+            return None
+        if not call.always:
+            return "round over"
+        return "leases over" if now >= call.until else None
+
+    def _sweep(self, now: float) -> None:
+        kept = collections.deque[Call]()
+        for call in self.calls:
+            reason = self._drop_reason(call, now)
+            if reason is None:
+                kept.append(call)
+            else:
+                self.dropped[reason] += 1
+        self.calls = kept
+        self.kept, self.added = len(kept), 0
+
+    def _drop_oldest(self, now: float) -> None:
+        oldest = self.calls.popleft()
+        reason = self._drop_reason(oldest, now)
+        if reason is not None:
+            self.dropped[reason] += 1
+            return
+        oldest.round_.answer(oldest.index, LATE)  # never asked: no answer to wait for
+        self.dropped["no room"] += 1
+        if not self.overflowing:
+            self.overflowing = True
+            logger.warning(
+                "Redlock node %s: more than %d calls wait for it (it does not answer): dropping the oldest; "
+                "a release dropped leaves a hold there to run out by itself",
+                self.cache,
+                MAX_BACKLOG,
+            )
+
+    def _next(self) -> Call:
+        with self.ready:
+            while True:
+                while not self.calls:
+                    self.overflowing = False  # caught up
+                    self.ready.wait()
+                call = self.calls.popleft()
+                reason = self._drop_reason(call, time.monotonic())
+                if reason is None:
+                    return call
+                self.dropped[reason] += 1
+
+    def _work(self) -> None:
+        while True:
+            self._next().put()
+
+
+# This process's backlogs, per cache alias: a forked child starts without its parent's threads.
+_backlogs: dict[str, NodeBacklog] = {}
+_backlogs_lock = threading.Lock()
+
+
+def _forget_after_fork() -> None:
+    global _backlogs_lock
+    _backlogs_lock = threading.Lock()
+    _backlogs.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def submit(call: Call) -> None:
+    """Queue ``call`` for its node."""
+    backlog = _backlogs.get(call.node.cache)
+    if backlog is None:
+        with _backlogs_lock:
+            backlog = _backlogs.setdefault(call.node.cache, NodeBacklog(call.node.cache))
+    backlog.submit(call)
+
+
+def backlog(cache: str) -> tuple[int, dict[str, int]]:
+    """How many calls wait for the node of ``cache`` in this process, and how many were dropped, by reason."""
+    found = _backlogs.get(cache)
+    if found is None:
+        return 0, {}
+    with found.ready:
+        return len(found.calls), dict(found.dropped)
