@@ -159,6 +159,7 @@ class RedlockBackend(BaseLockBackend):
         nodes: list[int] | None = None,
         late: Callable[[RedisBackend, Any], Any] | None = None,
         always: bool = False,
+        key: str = "",
         lease: float = 0.0,
     ) -> list[Any]:
         """Put ``call`` to the ``nodes`` (indexes; all by default) at once; return their answers in order.
@@ -168,12 +169,12 @@ class RedlockBackend(BaseLockBackend):
         A late answer goes to ``late(node, answer)``, in the node's worker thread.
         With ``always``, a node's worker puts ``call`` to it even after the round
         is over (a release: it must reach a node still busy with a late take),
-        until any ``lease`` set there before has run out (see ``redlock_workers``).
+        until the leases asked for ``key`` before have run out (see ``redlock_workers``).
         """
         asked = list(range(len(self.nodes))) if nodes is None else nodes
         round_ = Round(len(asked), settled, time.monotonic() + seconds)
         for index, node in enumerate(asked):
-            submit(Call(round_, index, self.nodes[node], call, late, always, lease))
+            submit(Call(round_, index, self.nodes[node], call, late, key, always, lease))
         answers = round_.wait()
         for answer in answers:
             if isinstance(answer, Failed) and isinstance(answer.error, ImproperlyConfigured):
@@ -204,6 +205,7 @@ class RedlockBackend(BaseLockBackend):
             deadline,
             _settled(self.quorum),
             late=late.arrived,
+            key=key,
             lease=ttl,
         )
         won = {index: token for index, token in enumerate(tokens) if token}
@@ -238,20 +240,20 @@ class RedlockBackend(BaseLockBackend):
         return sum(bool(answer) for answer in raised) >= need
 
     def reenter(self, key: str, owner: Owner, ttl: float) -> bool:
-        return self._majority(lambda node: node.reenter(key, owner, ttl), ttl, lease=ttl)
+        return self._majority(lambda node: node.reenter(key, owner, ttl), ttl, key, lease=ttl)
 
     def release(self, key: str, owner: Owner) -> bool:
         # Also to a node busy with a take that answers late (kept): else it would hold the lock there, for nobody
         # (until the leases set there before have run out: the backlog's policy, see ``redlock_workers``).
-        return self._majority(lambda node: node.release(key, owner), self.default_ttl, always=True)
+        return self._majority(lambda node: node.release(key, owner), self.default_ttl, key, always=True)
 
     def extend(self, key: str, owner: Owner, ttl: float) -> bool:
-        return self._majority(lambda node: node.extend(key, owner, ttl), ttl, lease=ttl)
+        return self._majority(lambda node: node.extend(key, owner, ttl), ttl, key, lease=ttl)
 
     def _majority(
-        self, call: Callable[[RedisBackend], bool], ttl: float, always: bool = False, lease: float = 0.0
+        self, call: Callable[[RedisBackend], bool], ttl: float, key: str, always: bool = False, lease: float = 0.0
     ) -> bool:
-        answers = self._ask(call, self._deadline(ttl), _settled(self.quorum), always=always, lease=lease)
+        answers = self._ask(call, self._deadline(ttl), _settled(self.quorum), always=always, key=key, lease=lease)
         if sum(bool(answer) for answer in answers) >= self.quorum:
             return True
         self._answered(answers)

@@ -9,15 +9,15 @@ of calls that no longer matter, which would keep it out of fresh rounds):
   nothing to undo.
 - A release is kept after its round, since it must reach a node still busy
   with a late take of the lock (else that node holds it for nobody), but only
-  until the leases asked for by the calls queued for the node before it have
-  run out, counted from when those calls were queued (under steady traffic:
-  the lease after the release was queued): a hold it could end has ended on
-  the node by itself. A node that thaws within the lease gets the release
-  (the backlog drains in moments); one that stays away longer gets none, and a
-  take it buffered holds the lock there, on a minority, for at most one lease
-  after the thaw.
-- Past ``MAX_BACKLOG`` calls, the oldest is dropped (as ``redis/strays.py``
-  does): of the releases, the one closest to running out by itself.
+  until the leases that the calls on the same lock queued before it asked for
+  have run out, counted from when they were queued: a hold it could end has
+  then ended on the node by itself. A node that thaws within the lease gets
+  the release (the backlog drains in moments); one that stays away longer
+  gets none, and a take it buffered holds the lock there, on a minority, for
+  at most one lease after the thaw.
+- Past ``MAX_BACKLOG`` calls, a quarter of them go, those that would be
+  dropped soonest anyway (a bounded queue, like ``redis/strays.py``'s): a
+  release kept for a long lease outlives the short leases' releases.
 
 Drops are counted per reason (``backlog(cache)``), and the first drop for
 lack of room while the node is away is logged as a warning.
@@ -101,9 +101,10 @@ class Round:
 class Call:
     """One node's part of a round: ``call(node)``, its answer to ``round_.answer(index)``, a late one to ``late``.
 
-    ``always``: put to the node after the round too (see the module's policy);
-    ``lease``: the lease the call sets on the node, if it sets one; ``until``:
-    when the leases of the calls queued before it have run out (set on queuing).
+    ``key``: the lock it is about, if any; ``always``: put to the node after
+    the round too (see the module's policy), until ``until``, when the leases
+    of the calls on ``key`` queued before it have run out (set on queuing);
+    ``lease``: the lease the call sets on the node, if it sets one.
     """
 
     round_: Round
@@ -111,10 +112,15 @@ class Call:
     node: RedisBackend
     call: Callable[[RedisBackend], Any]
     late: Callable[[RedisBackend, Any], Any] | None = None
+    key: str = ""
     always: bool = False
     lease: float = 0.0
     queued: float = field(default_factory=time.monotonic)
     until: float = 0.0
+
+    def dropped_at(self) -> float:
+        """When the backlog drops this call if it has not been put to the node by then."""
+        return max(self.round_.deadline, self.until) if self.always else self.round_.deadline
 
     def put(self) -> None:
         try:
@@ -139,7 +145,8 @@ class NodeBacklog:
         self.calls: collections.deque[Call] = collections.deque()
         self.ready = threading.Condition(threading.Lock())
         self.thread: threading.Thread | None = None
-        self.leases_end = 0.0  # when the leases asked for by the calls queued so far run out
+        self.leases_end: dict[str, float] = {}  # per lock: when the leases asked for so far run out
+        self.kept_leases = 0  # its length after the last sweep
         self.kept = 0  # the backlog's length after the last sweep
         self.added = 0  # calls queued since
         self.dropped: collections.Counter[str] = collections.Counter()
@@ -147,13 +154,19 @@ class NodeBacklog:
 
     def submit(self, call: Call) -> None:
         with self.ready:
-            call.until = self.leases_end
-            self.leases_end = max(self.leases_end, call.queued + call.lease)
+            now = call.queued
+            if call.always:
+                call.until = self.leases_end.get(call.key, 0.0)
+            if call.lease:
+                self.leases_end[call.key] = max(self.leases_end.get(call.key, 0.0), now + call.lease)
+                if len(self.leases_end) >= max(SWEEP_FROM, 2 * self.kept_leases):
+                    self.leases_end = {key: end for key, end in self.leases_end.items() if end > now}
+                    self.kept_leases = len(self.leases_end)
             self.added += 1
             if self.added >= max(SWEEP_FROM, self.kept):
-                self._sweep(call.queued)
+                self._sweep(now)
             if len(self.calls) >= MAX_BACKLOG:
-                self._drop_oldest(call.queued)
+                self._make_room(now)
             self.calls.append(call)
             if self.thread is None:
                 self.thread = threading.Thread(target=self._work, name="distlocks-redlock", daemon=True)
@@ -167,10 +180,14 @@ class NodeBacklog:
             return "round over"
         return "leases over" if now >= call.until else None
 
-    def _sweep(self, now: float) -> None:
+    def _sweep(self, now: float, also: frozenset[Call] = frozenset()) -> None:
+        """Drop the calls the policy drops by ``now``, and ``also`` these (for lack of room)."""
         kept = collections.deque[Call]()
         for call in self.calls:
             reason = self._drop_reason(call, now)
+            if reason is None and call in also:
+                call.round_.answer(call.index, LATE)  # never asked: no answer to wait for
+                reason = "no room"
             if reason is None:
                 kept.append(call)
             else:
@@ -178,18 +195,14 @@ class NodeBacklog:
         self.calls = kept
         self.kept, self.added = len(kept), 0
 
-    def _drop_oldest(self, now: float) -> None:
-        oldest = self.calls.popleft()
-        reason = self._drop_reason(oldest, now)
-        if reason is not None:
-            self.dropped[reason] += 1
-            return
-        oldest.round_.answer(oldest.index, LATE)  # never asked: no answer to wait for
-        self.dropped["no room"] += 1
+    def _make_room(self, now: float) -> None:
+        """Drop a quarter of the calls, those the policy would drop soonest (one sort per quarter's worth of calls)."""
+        soonest = sorted(self.calls, key=Call.dropped_at)[: max(1, len(self.calls) // 4)]
+        self._sweep(now, frozenset(soonest))
         if not self.overflowing:
             self.overflowing = True
             logger.warning(
-                "Redlock node %s: more than %d calls wait for it (it does not answer): dropping the oldest; "
+                "Redlock node %s: more than %d calls wait for it (it does not answer): dropping those due soonest; "
                 "a release dropped leaves a hold there to run out by itself",
                 self.cache,
                 MAX_BACKLOG,

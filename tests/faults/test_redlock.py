@@ -418,3 +418,19 @@ def test_a_black_holed_nodes_backlog_stays_bounded_and_it_is_back_in_the_rounds_
         assert backend.release(key, owner)
     finally:
         proxy.close()
+
+
+@LONG_SOCKET_TIMEOUT
+def test_a_frozen_nodes_late_take_still_gets_its_release_when_its_backlog_overflows(nodes, name, monkeypatch):
+    monkeypatch.setattr(redlock_workers, "MAX_BACKLOG", 100)
+    key = locks["rl"].make_key(name)
+    nodes.freeze(0)
+    holder = distlocks.lock(name, using="rl", ttl=30)
+    assert holder.acquire(wait=0)  # node 0's take waits for it (the socket timeout is 10 s)
+    holder.release()  # queued behind it
+    no_room = redlock_workers.backlog("n1")[1].get("no room", 0)
+    _cycles(f"{name}-other", 3.0)  # the releases of another lock's short leases overflow the backlog
+    assert redlock_workers.backlog("n1")[1].get("no room", 0) > no_room
+    nodes.thaw(0)  # the take answers, late: then comes the release, kept for the take's lease
+    _settle(nodes, 0)
+    _until(lambda: nodes.holding(key) == set(), f"held on {nodes.holding(key)} after the release")
