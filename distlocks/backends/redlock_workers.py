@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -97,7 +98,7 @@ class Round:
             return [LATE if answer is PENDING else answer for answer in self.answers]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Call:
     """One node's part of a round: ``call(node)``, its answer to ``round_.answer(index)``, a late one to ``late``.
 
@@ -143,8 +144,10 @@ class NodeBacklog:
     def __init__(self, cache: str) -> None:
         self.cache = cache
         self.calls: collections.deque[Call] = collections.deque()
-        self.ready = threading.Condition(threading.Lock())
+        self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
+        self.idle = False  # the thread waits for a wake-up (a SimpleQueue: cheaper than a Condition)
+        self.wake: queue.SimpleQueue[None] = queue.SimpleQueue()
         self.leases_end: dict[str, float] = {}  # per lock: when the leases asked for so far run out
         self.kept_leases = 0  # its length after the last sweep
         self.kept = 0  # the backlog's length after the last sweep
@@ -153,7 +156,7 @@ class NodeBacklog:
         self.overflowing = False
 
     def submit(self, call: Call) -> None:
-        with self.ready:
+        with self.lock:
             now = call.queued
             if call.always:
                 call.until = self.leases_end.get(call.key, 0.0)
@@ -171,7 +174,9 @@ class NodeBacklog:
             if self.thread is None:
                 self.thread = threading.Thread(target=self._work, name="distlocks-redlock", daemon=True)
                 self.thread.start()
-            self.ready.notify()
+            wake, self.idle = self.idle, False
+        if wake:
+            self.wake.put(None)
 
     def _drop_reason(self, call: Call, now: float) -> str | None:
         if not call.round_.over(now):
@@ -209,16 +214,17 @@ class NodeBacklog:
             )
 
     def _next(self) -> Call:
-        with self.ready:
-            while True:
-                while not self.calls:
-                    self.overflowing = False  # caught up
-                    self.ready.wait()
-                call = self.calls.popleft()
-                reason = self._drop_reason(call, time.monotonic())
-                if reason is None:
-                    return call
-                self.dropped[reason] += 1
+        while True:
+            with self.lock:
+                while self.calls:
+                    call = self.calls.popleft()
+                    reason = self._drop_reason(call, time.monotonic())
+                    if reason is None:
+                        return call
+                    self.dropped[reason] += 1
+                self.overflowing = False  # caught up
+                self.idle = True
+            self.wake.get()
 
     def _work(self) -> None:
         while True:
@@ -253,5 +259,5 @@ def backlog(cache: str) -> tuple[int, dict[str, int]]:
     found = _backlogs.get(cache)
     if found is None:
         return 0, {}
-    with found.ready:
+    with found.lock:
         return len(found.calls), dict(found.dropped)
