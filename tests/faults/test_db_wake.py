@@ -10,10 +10,10 @@ import pytest
 from django.db import connections
 
 from distlocks.backends.db.queue import WAITER_LEASE
-from distlocks.backends.db.wake import _address, alarm, database_id
+from distlocks.backends.db.wake import UNHEARD_BEFORE_POLLING, _address, alarm, database_id
 from distlocks.handler import locks
 from distlocks.models import LockWaiter
-from tests.conftest import DB, Holder
+from tests.conftest import DB, Holder, Worker
 from tests.faults.test_core import until
 
 pytestmark = [DB, pytest.mark.parametrize("alias", ["default"], indirect=True)]
@@ -100,3 +100,41 @@ def test_a_forked_child_keeps_no_waiter_socket_bound(alias, name):
         os.waitpid(child, 0)
         for fd in (ready_read, ready_write, done_read, done_write):
             os.close(fd)
+
+
+def rounds_until_polling(alias, name, tmp_path, prefix, rounds):
+    """A worker (started under ``prefix``) waits for ``name`` behind a holder in this process, round after
+    round: what it said at each acquisition ("sleeps" or "polls"), up to its first "polls"."""
+    queue = LockWaiter.objects.using(locks[alias].database).filter(lock_name=locks[alias].make_key(name))
+    holder = Holder(name, alias, ttl=60)
+    worker = Worker("take_rounds", alias, name, tmp_path / "go", prefix=prefix)
+    said = []
+    try:
+        for round_ in range(rounds):
+            until(lambda: queue.count() == 1, 30)  # queued, about to sleep on its socket
+            assert holder.release() is None
+            word, how = worker.line()
+            assert word == "acquired"
+            said.append(how)
+            if how == "polls":
+                break
+            holder = Holder(name, alias, ttl=60)  # once the worker has released
+            (tmp_path / f"go.{round_}").touch()
+    finally:
+        worker.kill()
+        if holder.thread.is_alive():
+            holder.release()
+    return said
+
+
+def test_a_waiter_whose_releases_go_unheard_polls_instead(alias, name, tmp_path):
+    # In a network namespace of its own (another container sharing the file), abstract
+    # names are not this process's: its wake-ups never arrive, and only its fallback looks find the lock.
+    said = rounds_until_polling(alias, name, tmp_path, ("unshare", "--net"), rounds=30)
+    assert said[-1] == "polls", said
+    assert len(said) >= UNHEARD_BEFORE_POLLING, said
+
+
+def test_a_waiter_that_hears_the_releases_keeps_sleeping(alias, name, tmp_path):
+    said = rounds_until_polling(alias, name, tmp_path, (), rounds=8)
+    assert said == ["sleeps"] * 8

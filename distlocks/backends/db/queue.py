@@ -137,6 +137,7 @@ class QueuedBackend(OwnConnectionBackend):
         place = self._places.get(key) or self._enqueue(key, listen=True)
         delay = POLL_FIRST
         near_since: float | None = None
+        slept_unwoken = False
         while True:
             if time.monotonic() - place.renewed > WAITER_LEASE / 3:
                 place = self._stay_queued(key, place)
@@ -151,6 +152,8 @@ class QueuedBackend(OwnConnectionBackend):
                 # so it is asked again once, on the new connection _run opens; a second failure is the answer.
                 live, ahead = self._run(look)
             if not live and not ahead:
+                if sleeper is not None and slept_unwoken:
+                    sleeper.unheard()
                 return
             if listening is not None:
                 if self._hear(listening, place.id, deadline):
@@ -159,6 +162,7 @@ class QueuedBackend(OwnConnectionBackend):
             if sleeper is not None:
                 if wait_for(sleeper, _LISTEN_POLL, deadline):
                     return
+                slept_unwoken = True
                 continue
             if ahead > 1:
                 near_since = None

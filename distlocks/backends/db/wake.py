@@ -9,6 +9,14 @@ first live place, as PostgreSQL's NOTIFY names it (``notify.py``). The
 datagram only wakes: the waiter still takes the lock by its INSERT, and looks
 at the table between wake-ups, so a lost or forged datagram costs a look,
 never the lock. Elsewhere (not Linux, a name already bound) waiters poll.
+
+Abstract names belong to a network namespace: processes in two containers
+that share the database file on one host do not hear each other's releases.
+A waiter that finds the lock free after a sleep no datagram ended (a release it
+did not hear) counts it; after ``UNHEARD_BEFORE_POLLING`` such sleeps in a row
+this process's waiters on that file poll instead, as where there are no
+wake-ups (a lease that ran out, a force-release, which send none, count too:
+polling costs CPU, never the lock).
 """
 
 from __future__ import annotations
@@ -24,7 +32,11 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from distlocks.backends.db.statements import sql_for
 
+UNHEARD_BEFORE_POLLING = 3
+
 _bound: weakref.WeakSet[socket.socket] = weakref.WeakSet()
+# Database file -> waits in a row that found the lock free with no wake-up.
+_unheard: dict[str, int] = {}
 _sender: socket.socket | None = None
 
 
@@ -48,6 +60,7 @@ class Alarm:
     """The socket a waiting thread sleeps on while it has place ``place`` in ``key``'s queue."""
 
     def __init__(self, database: str, key: str, place: int) -> None:
+        self.database = database
         self.place = place
         self.socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         try:
@@ -66,20 +79,30 @@ class Alarm:
             self.socket.recv(16)
         except TimeoutError:
             return False
+        _unheard.pop(self.database, None)
         self.socket.setblocking(False)
         with contextlib.suppress(BlockingIOError):
             while True:  # several releases named this place: one look answers them all
                 self.socket.recv(16)
         return True
 
+    def unheard(self) -> None:
+        """The lock was free after a sleep that no datagram ended: count a release this process did not hear."""
+        _unheard[self.database] = _unheard.get(self.database, 0) + 1
+
     def close(self) -> None:
         _bound.discard(self.socket)
         self.socket.close()
 
 
+def hears(database: str) -> bool:
+    """Whether this process's waiters on the ``database`` file sleep until woken (else they poll)."""
+    return _unheard.get(database, 0) < UNHEARD_BEFORE_POLLING
+
+
 def alarm(database: str | None, key: str, place: int) -> Alarm | None:
-    """An ``Alarm`` for ``place``, or None if its name cannot be bound here: then the waiter polls."""
-    if database is None:
+    """An ``Alarm`` for ``place``, or None if its name cannot be bound here, or releases go unheard: then the waiter polls."""
+    if database is None or not hears(database):
         return None
     try:
         return Alarm(database, key, place)
