@@ -23,11 +23,13 @@ def arguments(
     rounds: int = 5,
     contended_rounds: int | None = None,
     databases: Sequence[str] = (),
+    pin: bool = False,
 ) -> argparse.Namespace:
     """Parse the common options; ``--worker`` (hidden) takes ``worker_args`` values.
 
     ``--contended-rounds`` is offered only to a script that gives it a default,
-    ``--databases`` only to one that names the databases it measures on.
+    ``--databases`` only to one that names the databases it measures on,
+    ``--pin`` and ``--uncontended-only`` only to one that asks for them.
     """
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cycles", type=int, default=cycles, help="acquire+release cycles per round")
@@ -41,6 +43,14 @@ def arguments(
         parser.add_argument(
             "--databases", nargs="+", choices=databases, default=list(databases), help="the databases to measure on"
         )
+    if pin:
+        parser.add_argument(
+            "--pin",
+            choices=["none", "same", "apart"],
+            default="none",
+            help="uncontended: run on CPU 0, with PostgreSQL's sessions on the same CPU or on CPU 1",
+        )
+        parser.add_argument("--uncontended-only", action="store_true", help="skip the contended runs")
     parser.add_argument("--url", default="redis://127.0.0.1:6379/15", help="the Redis to measure on (Redis only)")
     parser.add_argument(
         "--out", type=Path, default=Path(__file__).resolve().parent.parent / ".bench", help="where results go (JSON)"

@@ -130,9 +130,9 @@ def worker_env():
 class Worker:
     """A ``tests.worker`` process, read line by line."""
 
-    def __init__(self, *arguments):
+    def __init__(self, *arguments, prefix=()):
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "tests.worker", *map(str, arguments)],
+            [*prefix, sys.executable, "-m", "tests.worker", *map(str, arguments)],
             cwd=ROOT,
             env=worker_env(),
             stdout=subprocess.PIPE,

@@ -80,3 +80,29 @@ def test_kinds_benchmark_runs(tmp_path):
         "read_write_lock: write",
     ]
     assert all(row["median_us"] > 0 for row in rows)
+
+
+def test_db_benchmark_pins_postgresql_sessions(tmp_path):
+    completed = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "db_locks.py"),
+            *QUICK[:4],
+            "--out",
+            str(tmp_path),
+            "--databases",
+            "postgresql",
+            "--pin",
+            "apart",
+            "--uncontended-only",
+        ],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    rows = json.loads((tmp_path / "db.json").read_text())
+    assert [row["lock"] for row in rows] == ["floor", "django-db-mutex", "distlocks", "native"]
+    assert all(row["median_us"] > 0 and "per_second" not in row for row in rows), rows

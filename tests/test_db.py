@@ -144,3 +144,40 @@ def test_a_waiter_that_took_the_lock_leaves_no_place_when_its_lease_was_lost(ali
     thread.join(20)
     assert len(answer) == 1
     assert places_queued(alias, name) == 0
+
+
+@pytest.mark.parametrize("alias", ["default"], indirect=True)
+def test_on_sqlite_a_release_wakes_the_first_live_waiter_once_it_is_committed(alias, name):
+    # Each waiter sleeps on a socket named after its place; a release wakes the first live one only.
+    from django.db import connections
+
+    from distlocks.backends.db.wake import alarm, database_id
+    from distlocks.models import LockWaiter
+
+    backend = locks[alias]
+    queue = LockWaiter.objects.using(backend.database)
+    database = database_id(connections[backend.database])
+    assert database is not None
+    plain, joined = distlocks.lock(name, using=alias), distlocks.lock(f"{name}-joined", using=alias)
+    alarms = {}
+    for lk in (plain, joined):
+        assert lk.acquire(wait=0)  # before the places: an acquire is not queued, they would be ahead of it
+        queue.create(lock_name=lk.key, expires_at=timezone.now() - timedelta(seconds=1))  # ran out: not the first
+        for place in "12":
+            row = queue.create(lock_name=lk.key, expires_at=timezone.now() + timedelta(seconds=60))
+            alarms[lk.key, place] = alarm(database, lk.key, row.pk)
+    assert None not in alarms.values()
+    try:
+        plain.release()
+        # The datagram is sent before release() returns: no wait is needed to see that it came, or did not.
+        assert alarms[plain.key, "1"].wait(10) is True
+        assert alarms[plain.key, "2"].wait(0.001) is False
+        with transaction.atomic(using=backend.database):  # the release joins the caller's transaction
+            joined.release()
+            assert alarms[joined.key, "1"].wait(0.001) is False  # the lock is free for others only at the commit
+        assert alarms[joined.key, "1"].wait(10) is True
+        assert alarms[joined.key, "2"].wait(0.001) is False
+    finally:
+        for sleeper in alarms.values():
+            sleeper.close()
+        queue.filter(lock_name__in=[plain.key, joined.key]).delete()

@@ -367,6 +367,27 @@ def take_when(alias: str, name: str, wait: str, go: str) -> None:
     take(alias, name, wait)
 
 
+def take_rounds(alias: str, name: str, go: str) -> None:
+    """Take and release the lock again and again; before each next round, wait for the file ``go``.N.
+
+    Each acquisition says whether this process's waiters still sleep until a release wakes them (SQLite).
+    """
+    from django.db import connections
+
+    from distlocks.backends.db.wake import database_id, hears
+    from distlocks.handler import locks
+
+    database = database_id(connections[locks[alias].database])  # type: ignore[attr-defined]
+    assert database is not None
+    lock = distlocks.lock(name, using=alias, ttl=30, wait=60)
+    for round_ in range(1_000_000):
+        lock.acquire()
+        lock.release()
+        say("acquired", "sleeps" if hears(database) else "polls")
+        while not Path(f"{go}.{round_}").exists():
+            time.sleep(0.005)
+
+
 def take(alias: str, name: str, wait: str) -> None:
     """Try to take the lock once within ``wait`` seconds and report the token."""
     lock = distlocks.lock(name, using=alias, ttl=30, wait=float(wait))
@@ -482,6 +503,7 @@ if __name__ == "__main__":
         "rw_take": rw_take,
         "rw_turn": rw_turn,
         "take": take,
+        "take_rounds": take_rounds,
         "take_in_turn": take_in_turn,
         "take_when": take_when,
         "take_permit": take_permit,

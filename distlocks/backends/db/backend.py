@@ -181,7 +181,7 @@ class DatabaseBackend(QueuedBackend):
                 if execute(connection, sql.release_leaving, [kept, *mine]):
                     del self._kept[key]
                     return True
-            elif execute(connection, sql.release_last, [*mine, channel(key)] if sql.notifies else mine):
+            elif self._release_last(connection, key, mine):
                 return True
             if execute(connection, sql.release_one, [key, owner.secret]):
                 return True
@@ -199,6 +199,20 @@ class DatabaseBackend(QueuedBackend):
             return execute(connection, sql.extend, [sql.lease(ttl), key, owner.secret]) == 1
 
         return self._run(attempt)
+
+    def _release_last(self, connection: BaseDatabaseWrapper, key: str, mine: list[str]) -> bool:
+        """Delete the lock's row if this is its last hold, and wake the first waiter: by NOTIFY (PostgreSQL), or
+        by a datagram to the place that the statement names (SQLite); elsewhere waiters poll."""
+        sql = sql_for(connection)
+        if not sql.wakes:
+            return bool(execute(connection, sql.release_last, [*mine, channel(key)] if sql.notifies else mine))
+        with connection.cursor() as cursor:
+            cursor.execute(sql.release_last, [*mine, key])
+            row = cursor.fetchone()
+        if row is None:
+            return False
+        self._wake(connection, key, row[0])
+        return True
 
     def _rw_held(self, connection: BaseDatabaseWrapper) -> list[LockInfo]:
         from distlocks.models import ReadWriteHold

@@ -24,6 +24,7 @@ from distlocks.backends.base import AsyncTurn, BaseLockBackend, deadline_after
 from distlocks.backends.db.connections import OwnConnectionBackend, execute, open_like
 from distlocks.backends.db.notify import batches, can_listen, channel, known_own_session, notified, own_session
 from distlocks.backends.db.statements import sql_for
+from distlocks.backends.db.wake import Alarm, alarm, database_id, wait_for, wake
 from distlocks.exceptions import BackendUnavailable
 from distlocks.owner import Owner
 
@@ -35,8 +36,8 @@ POLL_FIRST = 0.001
 _HEAD_POLL_MAX = 0.004
 _HEAD_FAST = 0.05
 POLL_MAX = 0.02
-# On PostgreSQL a release wakes the waiters (NOTIFY); they still look every 50 ms
-# for what sends no notification: a lease that ran out, a waiter ahead leaving.
+# On PostgreSQL a release wakes the waiters (NOTIFY), on SQLite a datagram (wake.py);
+# they still look every 50 ms for what sends none: a lease that ran out, a waiter ahead stopped.
 _LISTEN_POLL = 0.05
 #: Seconds a waiter's place in the queue lasts unless renewed: how long a
 #: waiter that crashed holds up the ones behind it, at most.
@@ -116,6 +117,7 @@ class QueuedBackend(OwnConnectionBackend):
         self._places: dict[str, Place] = {}  # this thread's (backend instances are per thread)
         self._listening: dict[str, Any] = {}  # key: the psycopg connection that LISTENs for its releases
         self._kept: dict[str, int] = {}  # key: the place of a lock this thread took, left at its release (MySQL)
+        self._alarms: dict[str, Alarm] = {}  # key: the socket this thread sleeps on while queued (SQLite)
 
     def wait(self, key: str, attempt: int, remaining: float | None) -> None:
         """Wait in the lock's queue until it looks free and no live waiter is ahead, at most ``remaining`` seconds.
@@ -126,7 +128,7 @@ class QueuedBackend(OwnConnectionBackend):
         the holder's way. The first two in the queue poll most often, as they
         take the lock next; the place is renewed every third of its lease. On
         PostgreSQL a waiter waits between looks for a release's notification
-        that names its place (see ``notify``).
+        that names its place (see ``notify``), on SQLite for its datagram (``wake``).
         """
         if self._using() != self._connection_alias:
             self._poll(key, remaining)  # SQLite inside the caller's transaction: nobody else can write anyway
@@ -135,10 +137,12 @@ class QueuedBackend(OwnConnectionBackend):
         place = self._places.get(key) or self._enqueue(key, listen=True)
         delay = POLL_FIRST
         near_since: float | None = None
+        slept_unwoken = False
         while True:
             if time.monotonic() - place.renewed > WAITER_LEASE / 3:
                 place = self._stay_queued(key, place)
             listening = self._listen(key)  # before the look, so that no release after it goes unheard
+            sleeper = self._alarm(key, place)  # likewise
 
             look = functools.partial(self._look, key, place.id)
             try:
@@ -148,10 +152,17 @@ class QueuedBackend(OwnConnectionBackend):
                 # so it is asked again once, on the new connection _run opens; a second failure is the answer.
                 live, ahead = self._run(look)
             if not live and not ahead:
+                if sleeper is not None and slept_unwoken:
+                    sleeper.unheard()
                 return
             if listening is not None:
                 if self._hear(listening, place.id, deadline):
                     return
+                continue
+            if sleeper is not None:
+                if wait_for(sleeper, _LISTEN_POLL, deadline):
+                    return
+                slept_unwoken = True
                 continue
             if ahead > 1:
                 near_since = None
@@ -163,6 +174,36 @@ class QueuedBackend(OwnConnectionBackend):
                 delay = min(delay * 2, POLL_MAX) if time.monotonic() - near_since > _HEAD_FAST else POLL_FIRST
             if not sleep(delay, deadline):
                 return
+
+    def _alarm(self, key: str, place: Place) -> Alarm | None:
+        """On SQLite (Linux), the socket on which a release wakes ``place`` (bound again if the place changed)."""
+        sleeper = self._alarms.get(key)
+        if sleeper is not None and sleeper.place != place.id:
+            self._alarms.pop(key).close()
+            sleeper = None
+        if sleeper is None:
+            sleeper = alarm(database_id(connections[self._connection_alias]), key, place.id)
+            if sleeper is not None:
+                self._alarms[key] = sleeper
+        return sleeper
+
+    def _wake_first(self, connection: BaseDatabaseWrapper, key: str) -> None:
+        """On SQLite, wake the first live waiter for ``key`` (after the caller's commit, inside its transaction).
+
+        Called once the lock is free, or a waiter left: the next one need not wait for its fallback look.
+        """
+        if database_id(connection) is None:
+            return
+        with connection.cursor() as cursor:
+            cursor.execute(sql_for(connection).first, [key])
+            self._wake(connection, key, cursor.fetchone()[0])
+
+    @staticmethod
+    def _wake(connection: BaseDatabaseWrapper, key: str, place: int | None) -> None:
+        """Wake the waiter of ``place`` (None: nobody is queued) once the caller's transaction commits, if any."""
+        database = None if place is None else database_id(connection)
+        if place is not None and database is not None:
+            connection.on_commit(lambda: wake(database, key, place))
 
     def _keeps_place(self) -> bool:
         return sql_for(connections[self._connection_alias]).release_leaving is not None
@@ -272,12 +313,17 @@ class QueuedBackend(OwnConnectionBackend):
         """
         place = self._places.pop(key, None)
         listening = self._listening.pop(key, None)
+        sleeper = self._alarms.pop(key, None)
+        if sleeper is not None:
+            sleeper.close()
         if acquired and place is not None and place.ttl >= WAITER_LEASE and self._keeps_place():
             self._kept[key], place = place.id, None
 
         def leave(connection: BaseDatabaseWrapper) -> None:
             if place is not None:
                 execute(connection, sql_for(connection).dequeue, [place.id])
+                if sleeper is not None and not acquired:  # it may have been woken: pass it on
+                    self._wake_first(connection, key)
             if listening is not None and listening is connection.connection:
                 execute(connection, f'UNLISTEN "{channel(key)}"', [])
 

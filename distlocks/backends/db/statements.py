@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -67,6 +68,8 @@ class Statements:
         # Only a live place keeps its rank: one that ran out (a waiter stopped past its lease) queues again at the end.
         self.stay_queued = f"UPDATE {queue} SET expires_at = {later} WHERE id = %s AND expires_at > {now}"
         self.dequeue = f"DELETE FROM {queue} WHERE id = %s"
+        # The first live place, the one a release wakes (on SQLite: wake.py).
+        self.first = f"SELECT MIN(id) FROM {queue} WHERE lock_name = %s AND expires_at > {now}"
         self.clear_queue = f"DELETE FROM {queue} WHERE expires_at <= {now}"
         self.delete_expired = f"DELETE FROM {table} WHERE lock_name = %s AND expires_at <= {now}"
         self.is_live = f"SELECT 1 FROM {table} WHERE lock_name = %s AND expires_at > {now}"
@@ -84,6 +87,11 @@ class Statements:
                 f" FROM gone, LATERAL (SELECT MIN(w.id) AS id FROM {queue} w WHERE w.lock_name = gone.lock_name"
                 f" AND w.expires_at > {now}) head"
             )
+        # On SQLite (Linux, 3.35+ for RETURNING) the last release also names the first live place (the
+        # last parameter: the lock's name again), whose waiter it wakes on this host (see ``wake``).
+        self.wakes = vendor == "sqlite" and sys.platform == "linux" and _sqlite_version(connection) >= (3, 35)
+        if self.wakes:
+            self.release_last += f" RETURNING ({self.first})"
         # On MySQL the last release also deletes the place its holder queued in, if it kept one (the first parameter).
         self.release_leaving = (
             f"DELETE held, kept FROM {table} held LEFT JOIN {queue} kept ON kept.id = %s"
@@ -97,6 +105,10 @@ class Statements:
         # Compare and delete in one statement: the next holder's row has another id.
         self.force_release_token = f"DELETE FROM {table} WHERE lock_name = %s AND id = %s"
         self.rw = ReadWriteStatements(connection, now, later)
+
+
+def _sqlite_version(connection: BaseDatabaseWrapper) -> tuple[int, ...]:
+    return tuple(connection.Database.sqlite_version_info)  # type: ignore[attr-defined]
 
 
 _statements: dict[str, Statements] = {}

@@ -71,6 +71,17 @@ local function pass_on()
     redis.call('DEL', KEYS[1])
   end
 end
+-- Free the lock if it is ``ours`` to give back, and pass it on; a lock found free is passed on too.
+-- return 1 if it freed the lock
+local function give_back(ours)
+  if ours then
+    redis.call('DEL', KEYS[1])
+    pass_on()
+    return 1
+  end
+  if redis.call('EXISTS', KEYS[1]) == 0 then pass_on() end
+  return 0
+end
 """
 )
 
@@ -146,13 +157,7 @@ ABANDON = (
     PASS_ON
     + """
 if ARGV[2] ~= '' then redis.call('ZREM', KEYS[3], ARGV[2]) end
-if redis.call('HGET', KEYS[1], 'granted') == ARGV[1] then
-  redis.call('DEL', KEYS[1])
-  pass_on()
-  return 1
-end
-if redis.call('EXISTS', KEYS[1]) == 0 then pass_on() end
-return 0
+return give_back(redis.call('HGET', KEYS[1], 'granted') == ARGV[1])
 """
 )
 
@@ -173,13 +178,7 @@ if redis.call('PTTL', KEYS[4]) < tonumber(ARGV[3]) then redis.call('PEXPIRE', KE
 if ARGV[4] ~= '' then redis.call('ZREM', KEYS[3], ARGV[4]) end
 local owner, attempt, count, granted = unpack(redis.call('HMGET', KEYS[1], 'owner', 'attempt', 'count', 'granted'))
 local waiter = string.match(ARGV[4], '^[^|]*|([^|]*)|')
-if (owner == ARGV[2] and attempt == ARGV[1] and count == '1') or (waiter and granted == waiter) then
-  redis.call('DEL', KEYS[1])
-  pass_on()
-  return 1
-end
-if redis.call('EXISTS', KEYS[1]) == 0 then pass_on() end
-return 0
+return give_back((owner == ARGV[2] and attempt == ARGV[1] and count == '1') or (waiter ~= nil and granted == waiter))
 """
 )
 
