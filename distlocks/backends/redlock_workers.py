@@ -39,7 +39,7 @@ from distlocks.backends.redis import RedisBackend
 
 logger = logging.getLogger(__name__)
 
-#: At most this many calls wait per node and process; past it the oldest is dropped.
+#: At most this many calls wait per node and process; past it, the quarter due to be dropped soonest goes.
 MAX_BACKLOG = 1000
 #: The backlog is swept for calls to drop once as many calls were added since the last sweep as it
 #: kept, and at least this many: a sweep's pass is paid for by the calls added since the last.
