@@ -170,19 +170,22 @@ def gather_reports(command: list[str], processes: int, seconds: float) -> list[d
     """
     with tempfile.TemporaryDirectory() as out:
         outputs = [Path(out, str(i)) for i in range(processes)]
-        running = [subprocess.Popen(command, stdout=path.open("w")) for path in outputs]
-        deadline = time.monotonic() + seconds + CONTENDERS_GRACE
+        running: list[subprocess.Popen[bytes]] = []
         try:
-            while any(p.poll() is None for p in running):
-                failed = next((p for p in running if p.returncode), None)
-                if failed or time.monotonic() > deadline:
-                    how = f"exited with {failed.returncode}" if failed else "did not finish in time"
-                    raise RuntimeError(f"a contender {how}: {' '.join(command)}")
+            for path in outputs:
+                with path.open("w") as stdout:
+                    running.append(subprocess.Popen(command, stdout=stdout))
+            deadline = time.monotonic() + seconds + CONTENDERS_GRACE
+            while True:
+                codes = [p.poll() for p in running]  # every one, each time: any() would stop at the first running
+                failed = next((code for code in codes if code), None)
+                if failed:
+                    raise RuntimeError(f"a contender exited with {failed}: {' '.join(command)}")
+                if None not in codes:
+                    return [json.loads(path.read_text().splitlines()[-1]) for path in outputs]
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"a contender did not finish in time: {' '.join(command)}")
                 time.sleep(0.05)
-            failed = next((p for p in running if p.returncode), None)
-            if failed:
-                raise RuntimeError(f"a contender exited with {failed.returncode}: {' '.join(command)}")
-            return [json.loads(path.read_text().splitlines()[-1]) for path in outputs]
         finally:
             for p in running:
                 p.kill()

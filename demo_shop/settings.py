@@ -46,7 +46,7 @@ DATABASES = {"default": database(os.environ.get("DISTLOCKS_DB", "sqlite"), os.en
 DATABASES["default"]["ATOMIC_REQUESTS"] = os.environ.get("DEMO_ATOMIC_REQUESTS") == "1"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
-# DEMO_LOCK_TTL: every lock alias's lease in seconds (oversell --pause-every makes it shorter than the pauses).
+# DEMO_LOCK_TTL: every lock alias's lease in seconds (oversell --pause-every sets it to --lease).
 DEMO_LOCK_TTL = float(os.environ.get("DEMO_LOCK_TTL", "30"))
 DISTLOCKS: dict[str, dict[str, Any]] = {
     "default": {"BACKEND": "distlocks.backends.db.DatabaseBackend", "TTL": DEMO_LOCK_TTL}
@@ -97,6 +97,8 @@ CELERY_RESULT_BACKEND = os.environ.get("CELERY_RESULT_BACKEND", "redis://127.0.0
 # window in which unsafe strategies race (the stock decrement of jdxhb's CSDN
 # article on distributed locks, https://blog.csdn.net/jdxhb/article/details/146148374).
 DEMO_WORK_SECONDS = float(os.environ.get("DEMO_WORK_MS", "5")) / 1000
+# Where a worker told to pause (oversell --pause-every) leaves its pid for the command, which continues it; unset: no pauses.
+DEMO_PAUSE_DIR = os.environ.get("DEMO_PAUSE_DIR", "")
 
 USE_TZ = True
 TIME_ZONE = "UTC"

@@ -105,6 +105,14 @@ def _collect_garbage(request):
     gc.collect()
 
 
+def wait_until(condition, timeout=15.0):
+    """Poll ``condition`` until it is true; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
 @pytest.fixture(autouse=True)
 def _close_lock_connections():
     # Lock connections live as long as their thread; the test databases can only

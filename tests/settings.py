@@ -100,6 +100,7 @@ if ENSEMBLE := os.environ.get("DISTLOCKS_TEST_ZK_ENSEMBLE"):
 
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 DEMO_WORK_SECONDS = 0.01
+DEMO_PAUSE_DIR = ""  # no pauses: the oversell command sets it for its own gunicorn only
 
 # Worker processes of the metrics tests export metrics (prometheus-client's multiprocess mode).
 if os.environ.get("DISTLOCKS_TEST_METRICS"):

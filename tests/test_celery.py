@@ -35,7 +35,7 @@ from tests.celery_app import (
     unguarded,
 )
 
-from .conftest import DB, ROOT, worker_env
+from .conftest import DB, ROOT, wait_until, worker_env
 
 pytestmark = [DB, pytest.mark.timeout(120), pytest.mark.servers("redis", "zookeeper")]
 
@@ -128,13 +128,6 @@ def assert_never_overlapped(log):
 def held(alias, name):
     key = locks[alias].make_key(name)
     return next((info for info in locks[alias].held() if info.key == key), None)
-
-
-def wait_until(condition, timeout=15.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("task", [guarded, guarded_on_mariadb])

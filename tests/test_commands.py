@@ -152,12 +152,15 @@ def test_oversell_with_postgresql_advisory_locks(tmp_path):
 
 
 def test_buyers_paused_past_their_lease_oversell_unless_the_row_is_fenced(tmp_path):
-    # Every 5th buyer's gunicorn worker is SIGSTOPped between its read and its
-    # write, past its lease: another buyer takes the lock and sells; the paused
-    # one wakes and writes its stale count. Only the fence refuses that write.
+    # Every 5th buyer's gunicorn worker stops itself (SIGSTOP) between its read and
+    # its write; the command continues it (SIGCONT) only once another buyer has
+    # taken the expired lock and sold: its count is then stale, whatever the
+    # timing. Only the fence refuses its write.
     strategies = "lock:default,lock:redis,fenced:default,fenced:redis"
-    arguments = ["--strategies", strategies, "--pause-every", "5", "--pause", "1.5", "--workers", "3"]
+    arguments = ["--strategies", strategies, "--pause-every", "5", "--lease", "0.5", "--workers", "3"]
     results = oversell_on_mariadb(tmp_path, *arguments, DISTLOCKS_REDIS_URL=redis_url())
+    # Each run had buyers paused and continued only once another had sold.
+    assert all(row["overtaken"] > 0 for row in results.values()), results
     for leased in ("lock:default", "lock:redis"):
         row = results[leased]
         assert row["oversold"] > 0 or row["lost_updates"] > 0, row
@@ -199,3 +202,15 @@ def test_oversell_with_redis_and_redlock(tmp_path):
 def test_oversell_rejects_an_unknown_strategy():
     with pytest.raises(CommandError, match="unknown strategy lock:nope; choose from: atomic_sql, fenced:default, "):
         call_command("oversell", "--strategies", "none,lock:nope")
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error"),
+    [
+        (["--lease", "2", "--pause", "2"], "--lease and --pause must be more than 0, --pause longer"),
+        (["--pause-every", "5"], "--pause-every needs MariaDB or PostgreSQL: on SQLite a paused buyer's"),
+    ],
+)
+def test_oversell_rejects_pauses_it_cannot_show(arguments, error):
+    with pytest.raises(CommandError, match=re.escape(error)):
+        call_command("oversell", *arguments)

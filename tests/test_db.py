@@ -1,20 +1,23 @@
-"""What is particular to the database backend: transactions."""
+"""What is particular to the database backend: transactions, the waiters' queue, its own connections."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from datetime import timedelta
 
 import pytest
 from django.core.exceptions import ImproperlyConfigured
-from django.db import transaction
+from django.db import OperationalError, connections, transaction
 from django.utils import timezone
 
 import distlocks
+from distlocks.backends.db import close_connections
 from distlocks.handler import locks
 from distlocks.models import Lock
 
-from .conftest import DB, DB_ALIASES, queue_waiters
+from .conftest import DB, DB_ALIASES, queue_waiters, wait_until
 from .test_lock import in_thread
 
 pytestmark = DB
@@ -181,3 +184,54 @@ def test_on_sqlite_a_release_wakes_the_first_live_waiter_once_it_is_committed(al
         for sleeper in alarms.values():
             sleeper.close()
         queue.filter(lock_name__in=[plain.key, joined.key]).delete()
+
+
+def mariadb_sessions(ids):
+    """The sessions among ``ids`` that MariaDB still has, with what each runs."""
+    with connections["mariadb"].cursor() as cursor:
+        cursor.execute(f"SELECT ID, INFO FROM information_schema.PROCESSLIST WHERE ID IN ({', '.join(map(str, ids))})")
+        return dict(cursor.fetchall())
+
+
+def test_close_connections_closes_the_rest_when_one_refuses_to_close(name):
+    # Three threads' lock connections; another thread is inside a statement on the
+    # first, so mysqlclient refuses to close it ("already in use from another
+    # thread", as when the watchdog closes it at that moment). The rest still close.
+    opened = []
+    done = threading.Event()
+
+    def open_and_stay():
+        with distlocks.lock(f"{name}-{len(opened)}", using="mariadb"):
+            pass
+        opened.append(connections["distlocks:mariadb"])
+        done.wait(30)  # alive: a thread's connection is closed when the thread has ended
+
+    threads = []
+    for count in range(1, 4):  # one after the other: the busy one is the first that close_connections meets
+        threads.append(threading.Thread(target=open_and_stay))
+        threads[-1].start()
+        wait_until(lambda count=count: len(opened) == count)
+    busy, *rest = opened
+    raw = busy.connection
+    ids = [connection.connection.thread_id() for connection in opened]
+
+    def sleep_on_the_first():
+        with contextlib.suppress(OperationalError), busy.cursor() as cursor:
+            cursor.execute("SELECT SLEEP(5)")  # until the KILL QUERY at the end
+
+    statement = threading.Thread(target=sleep_on_the_first)
+    statement.start()
+    try:
+        wait_until(lambda: mariadb_sessions(ids[:1]) == {ids[0]: "SELECT SLEEP(5)"})
+        close_connections()
+        assert mariadb_sessions(ids[:1]) == {ids[0]: "SELECT SLEEP(5)"}  # still inside it: the close was refused
+        assert [connection.connection for connection in rest] == [None, None]
+        wait_until(lambda: list(mariadb_sessions(ids)) == ids[:1])  # the others' sessions are over
+    finally:
+        with connections["mariadb"].cursor() as cursor:
+            cursor.execute(f"KILL QUERY {ids[0]}")
+        statement.join()
+        raw.close()
+        done.set()
+        for thread in threads:
+            thread.join()

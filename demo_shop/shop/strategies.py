@@ -13,10 +13,10 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 from django.conf import settings
 from django.db import transaction
@@ -33,29 +33,29 @@ _pause = threading.local()
 
 
 @contextlib.contextmanager
-def pausing(seconds: float) -> Iterator[None]:
-    """Make this thread's next buy pause its whole process for ``seconds`` between its read and its write."""
-    _pause.seconds = seconds
+def pausing(pause: bool) -> Iterator[None]:
+    """Make this thread's next buy stop its whole process between its read and its write (``oversell --pause-every``)."""
+    _pause.on = pause
     try:
         yield
     finally:
-        _pause.seconds = 0.0
+        _pause.on = False
 
 
 def _work() -> None:
     time.sleep(settings.DEMO_WORK_SECONDS)
-    seconds = getattr(_pause, "seconds", 0.0)
-    if seconds:
-        _pause.seconds = 0.0
-        _stop_process(seconds)
+    if getattr(_pause, "on", False):
+        _pause.on = False
+        _stop_process()
 
 
-def _stop_process(seconds: float) -> None:
-    """SIGSTOP this process, as a GC pause or a VM migration would, until a helper sends SIGCONT.
+def _stop_process() -> None:
+    """SIGSTOP this process, as a GC pause or a VM migration would, until the oversell command sends SIGCONT.
 
-    Every thread stops, the lock's watchdog too: nothing renews the lease.
+    Every thread stops, the lock's watchdog too: nothing renews the lease. The
+    command finds the process by the file named by its pid in ``DEMO_PAUSE_DIR``.
     """
-    subprocess.Popen(["sh", "-c", f"sleep {seconds:.3f}; kill -CONT {os.getpid()}"])
+    Path(settings.DEMO_PAUSE_DIR, str(os.getpid())).touch()
     os.kill(os.getpid(), signal.SIGSTOP)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from django.conf import settings
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_POST
@@ -18,12 +19,12 @@ def _answer(sold: bool) -> JsonResponse:
     return JsonResponse({"sold": sold}, status=200 if sold else 409)
 
 
-def _pause_of(request: HttpRequest) -> float:
-    """Seconds this buyer is to pause between read and write (``oversell --pause-every``), or 0."""
-    try:
-        return max(0.0, float(request.headers.get("X-Demo-Pause", 0)))
-    except ValueError:
-        return 0.0
+def _pauses(request: HttpRequest) -> bool:
+    """True if this buyer is to pause between its read and its write (``oversell --pause-every``).
+
+    Only where the command that continues paused workers set ``DEMO_PAUSE_DIR``.
+    """
+    return request.headers.get("X-Demo-Pause") == "1" and bool(settings.DEMO_PAUSE_DIR)
 
 
 def locked_buy_view(alias: str) -> Callable[..., HttpResponse]:
@@ -34,7 +35,7 @@ def locked_buy_view(alias: str) -> Callable[..., HttpResponse]:
     @require_POST
     @distributed_lock("stock:{product_id}", using=alias, wait=60)
     def buy_locked(request: HttpRequest, product_id: str) -> HttpResponse:
-        with strategies.pausing(_pause_of(request)):
+        with strategies.pausing(_pauses(request)):
             return _answer(strategies.locked(product_id, alias))
 
     return buy_locked
@@ -53,7 +54,7 @@ def buy(request: HttpRequest, strategy: str, product_id: str) -> HttpResponse:
         return _answer(strategies.pitfall(product_id, alias))
     if kind == "fenced":
         try:
-            with strategies.pausing(_pause_of(request)):
+            with strategies.pausing(_pauses(request)):
                 return _answer(strategies.fenced(product_id, alias))
         except LockLost:  # it paused past its lease: the fence refused its write (StaleToken)
             return JsonResponse({"sold": False, "lost": True}, status=409)

@@ -17,6 +17,16 @@ from typing import Any
 from distlocks.verify.history import Section
 
 
+def halted(pid: int) -> bool:
+    """True once process ``pid`` is stopped (Linux's /proc tells; elsewhere, after a moment)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        time.sleep(0.03)
+        return True
+
+
 class Worker:
     """A ``distlocks.verify.worker`` process; a thread reads its events as they come."""
 
@@ -80,21 +90,12 @@ class Worker:
         self.stopped = True
         self.signal(signal.SIGSTOP)
         deadline = time.monotonic() + 1.0
-        while not self._halted() and time.monotonic() < deadline:
+        while not halted(self.pid) and time.monotonic() < deadline:
             time.sleep(0.001)
         assert self.process.stdout is not None
         while select.select([self.process.stdout], [], [], 0)[0] and time.monotonic() < deadline:
             time.sleep(0.001)
         time.sleep(0.02)  # the reader handles the lines it took
-
-    def _halted(self) -> bool:
-        """True once the process is stopped (Linux's /proc tells; elsewhere, after a moment)."""
-        try:
-            with open(f"/proc/{self.pid}/stat") as stat:
-                return stat.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-        except (OSError, IndexError):
-            time.sleep(0.03)
-            return True
 
     def resume(self) -> None:
         self.signal(signal.SIGCONT)

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any, cast
 
@@ -25,6 +29,7 @@ from demo_shop.shop.models import Order, Stock
 from demo_shop.shop.strategies import PLAIN
 from distlocks.handler import locks
 from distlocks.models import Lock
+from distlocks.verify.processes import halted
 
 PRODUCT = "P-1001"
 
@@ -44,17 +49,25 @@ def free_port() -> int:
 
 
 class Cluster:
-    """The demo under gunicorn with several worker processes, on a loopback port."""
+    """The demo under gunicorn with several worker processes, on a loopback port.
 
-    def __init__(self, workers: int, lock_ttl: float | None = None) -> None:
+    With a ``lease`` (fault mode), every lock alias's lease is that long, and a
+    worker told to pause stops itself and waits for ``resume()``.
+    """
+
+    def __init__(self, workers: int, lease: float | None = None) -> None:
         self.port = free_port()
         env = {**os.environ, "DJANGO_SETTINGS_MODULE": os.environ.get("DJANGO_SETTINGS_MODULE", "demo_shop.settings")}
-        if lock_ttl is not None:
-            env["DEMO_LOCK_TTL"] = str(lock_ttl)
+        self.pause_dir: Path | None = None
+        if lease is not None:
+            env["DEMO_LOCK_TTL"] = str(lease)
+            self.pause_dir = Path(tempfile.mkdtemp(prefix="oversell-pauses-"))
+            env["DEMO_PAUSE_DIR"] = str(self.pause_dir)
         # Serve the database this process uses (a test database, say).
         env["DISTLOCKS_DB_NAME"] = str(connection.settings_dict["NAME"])
         command = [sys.executable, "-m", "gunicorn", "demo_shop.wsgi:application"]
         command += ["--workers", str(workers), "--bind", f"127.0.0.1:{self.port}", "--log-level", "warning"]
+        command += ["--timeout", "90"]  # beyond the longest --pause: a stopped worker sends no heartbeat
         self.process = subprocess.Popen(command, env=env, cwd=settings.BASE_DIR)
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 60
@@ -70,8 +83,8 @@ class Cluster:
                     raise CommandError("gunicorn did not answer within 60s") from None
                 time.sleep(0.1)
 
-    def buy(self, strategy: str, product_id: str, pause: float = 0.0) -> int:
-        headers = {"X-Demo-Pause": str(pause)} if pause else {}
+    def buy(self, strategy: str, product_id: str, pause: bool = False) -> int:
+        headers = {"X-Demo-Pause": "1"} if pause else {}
         request = urllib.request.Request(f"{self.url}/buy/{strategy}/{product_id}/", method="POST", headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=120) as response:
@@ -79,7 +92,25 @@ class Cluster:
         except urllib.error.HTTPError as exc:
             return int(exc.code)
 
+    def paused(self) -> list[int]:
+        """The workers that have stopped themselves between a read and a write, in the order they stopped."""
+        if self.pause_dir is None:
+            return []
+        files = sorted(self.pause_dir.iterdir(), key=lambda path: path.stat().st_mtime_ns)
+        return [int(path.name) for path in files if halted(int(path.name))]
+
+    def resume(self, pid: int) -> None:
+        assert self.pause_dir is not None
+        (self.pause_dir / str(pid)).unlink()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
     def stop(self) -> None:
+        if self.pause_dir is not None:  # a stopped worker would not even hear SIGTERM
+            for path in self.pause_dir.iterdir():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(path.name), signal.SIGCONT)
+            shutil.rmtree(self.pause_dir)
         self.process.terminate()
         try:
             self.process.wait(timeout=30)
@@ -102,11 +133,18 @@ class Command(BaseCommand):
             "--pause-every",
             type=int,
             default=0,
-            help="Fault mode: every Nth buyer's server process stops (SIGSTOP) between its read and its write "
-            "for --pause seconds, past its lock's lease (default 0: no pauses).",
+            help="Fault mode: every Nth buyer's server process stops (SIGSTOP) between its read and its write, "
+            "until its lease has run out and another buyer has sold (default 0: no pauses).",
         )
         parser.add_argument(
-            "--pause", type=float, default=2.0, help="Seconds a paused buyer stays stopped (default 2)."
+            "--lease", type=float, default=1.0, help="Fault mode: every lock alias's lease in seconds (default 1)."
+        )
+        parser.add_argument(
+            "--pause",
+            type=float,
+            default=10.0,
+            help="Fault mode: the longest a paused buyer waits for another to sell, for locks that outlast it "
+            "(default 10 seconds).",
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -115,14 +153,18 @@ class Command(BaseCommand):
                 raise CommandError(f"--{option} must be at least 1")
         if options["pause_every"] < 0:
             raise CommandError("--pause-every must be 0 (no pauses) or more")
-        if not 0 < options["pause"] <= 60:
-            raise CommandError("--pause must be more than 0 and at most 60 seconds")
+        if not 0 < options["lease"] < options["pause"] <= 60:
+            raise CommandError("--lease and --pause must be more than 0, --pause longer and at most 60 seconds")
         if options["pause_every"] and options["workers"] < 2:
             raise CommandError("--pause-every needs --workers 2 or more: a stopped worker serves nobody")
+        if options["pause_every"] and connection.vendor == "sqlite":
+            raise CommandError(
+                "--pause-every needs MariaDB or PostgreSQL: on SQLite a paused buyer's transaction holds "
+                "the one write lock, so nobody can sell while it is stopped"
+            )
         strategies = self._strategies(options["strategies"])
         console = Console(file=cast(IO[str], self.stdout), force_terminal=False, width=120)
-        # The leases run out during a pause (renewed every third of it while the process runs).
-        cluster = Cluster(options["workers"], lock_ttl=options["pause"] / 4 if options["pause_every"] else None)
+        cluster = Cluster(options["workers"], lease=options["lease"] if options["pause_every"] else None)
         results = []
         try:
             with Progress(
@@ -164,14 +206,17 @@ class Command(BaseCommand):
 
         def one(number: int) -> int:
             every = options["pause_every"]
-            pause = options["pause"] if every and number % every == every - 1 else 0.0
-            status = cluster.buy(strategy, PRODUCT, pause)
+            status = cluster.buy(strategy, PRODUCT, pause=bool(every) and number % every == every - 1)
             advance()
             return status
 
         started = time.monotonic()
         with ThreadPoolExecutor(options["concurrency"]) as pool:
-            statuses = list(pool.map(one, range(options["buyers"])))
+            futures = [pool.submit(one, number) for number in range(options["buyers"])]
+            paused = (0, 0)
+            if options["pause_every"]:
+                paused = self._continue_paused(cluster, futures, options["workers"], options["pause"])
+            statuses = [future.result() for future in futures]
         elapsed = time.monotonic() - started
         orders = Order.objects.filter(product_id=PRODUCT).count()
         final = Stock.objects.get(product_id=PRODUCT, warehouse=1).count
@@ -185,8 +230,43 @@ class Command(BaseCommand):
             "oversold": max(0, orders - initial),
             "lost_updates": orders - (initial - final),
             "errors": sum(1 for status in statuses if status not in (200, 409)),
+            "paused": paused[0],
+            "overtaken": paused[1],  # the paused buyers continued after another had sold
             "requests_per_second": round(options["buyers"] / elapsed, 1),
         }
+
+    def _continue_paused(
+        self, cluster: Cluster, futures: list[Future[int]], workers: int, longest: float
+    ) -> tuple[int, int]:
+        """Continue each paused buyer once another has sold since it stopped; return (paused, overtaken).
+
+        That sale proves its lease ran out and a newer holder wrote: the count it
+        read is stale, whatever the timing. When nobody else can sell (every
+        worker paused, no other buyer left, or no sale for ``longest`` seconds: a
+        lock that outlasts the pause), the last to stop goes on first: it holds
+        the newest lock, so a fenced row refuses the others after its write.
+        """
+        seen: dict[int, int] = {}  # a paused worker: the stock when it was first seen stopped
+        paused = overtaken = 0
+        stock, moved = -1, 0.0  # the stock when last read, and when it last moved or a buyer paused
+        while not all(future.done() for future in futures):
+            new = [pid for pid in cluster.paused() if pid not in seen]
+            if seen or new:
+                current = Stock.objects.get(product_id=PRODUCT, warehouse=1).count
+                if new or current != stock:
+                    stock, moved = current, time.monotonic()
+                seen.update(dict.fromkeys(new, stock))  # read after it stopped: its own write is yet to come
+                paused += len(new)
+                ready = [pid for pid, count in seen.items() if stock < count]
+                overtaken += len(ready)
+                unfinished = sum(not future.done() for future in futures)
+                if not ready and (len(seen) in (workers, unfinished) or time.monotonic() - moved > longest):
+                    ready, moved = [next(reversed(seen))], time.monotonic()
+                for pid in ready:
+                    del seen[pid]
+                    cluster.resume(pid)
+            time.sleep(0.01)
+        return paused, overtaken
 
     def _table(self, results: list[dict[str, Any]]) -> Table:
         table = Table(title=f"Oversell race on {connection.display_name} ({connection.settings_dict['NAME']})")
