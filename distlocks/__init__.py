@@ -18,6 +18,7 @@ from distlocks.exceptions import (
     LockNotAcquired,
     LockNotOwned,
     StaleToken,
+    SyncLockInAsyncContext,
 )
 from distlocks.lock import DistributedLock, lock
 from distlocks.multi import MultiLock, multi_lock
@@ -39,6 +40,7 @@ __all__ = [
     "ReadWriteLock",
     "Semaphore",
     "StaleToken",
+    "SyncLockInAsyncContext",
     "alock",
     "amulti_lock",
     "aread_write_lock",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from django.core.exceptions import SynchronousOnlyOperation
+
 
 class LockError(Exception):
     """Base class of every lock failure; carries the lock's name and alias."""
@@ -51,3 +53,17 @@ class StaleToken(LockLost):
         self.pk = pk
         self.token = token
         self.current = current
+
+
+class SyncLockInAsyncContext(SynchronousOnlyOperation):
+    """A sync lock was asked for inside a running event loop, whose every task it would block: use the async API.
+
+    A subclass of Django's ``SynchronousOnlyOperation`` (what Django raises for
+    a query there), so code that catches that catches this too. It is no
+    LockError: it is a bug in the caller, not a lock that was not to be had.
+    """
+
+    def __init__(self, message: str, *, name: str | None = None, alias: str | None = None) -> None:
+        super().__init__(message)
+        self.name = name
+        self.alias = alias

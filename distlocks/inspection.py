@@ -17,8 +17,10 @@ from distlocks.owner import task_id_of
 #: The kinds of lock, as the admin and ``distlocks_list`` show them ("read" and "write": a read-write lock's sides).
 KINDS = ("lock", "semaphore", "multi", "read", "write")
 READ_WRITE = ("read", "write")
-# A semaphore's locks: its permits, its queue and its permits count (see distlocks.semaphore).
-_SEMAPHORE = re.compile(r"(^|:)sem:.*#(\d+|queue|permits)$")
+# A semaphore's locks: its permits and its queue (see distlocks.semaphore).
+_SEMAPHORE = re.compile(r"(^|:)sem:.*#(\d+|queue)$")
+# A semaphore's record of its permits count: kept on a lease backend as a lease, but held by nobody.
+_PERMITS_RECORD = re.compile(r"(^|:)sem:.*#permits$")
 
 
 def kind_of(info: LockInfo) -> str:
@@ -48,11 +50,20 @@ def held_locks(using: Iterable[str] | None = None) -> HeldLocks:
     One backend that is down, misconfigured (ImproperlyConfigured) or cannot
     list its locks does not hide the others: its reason goes into ``errors``.
     An alias that is not configured raises ImproperlyConfigured.
+
+    A semaphore's permits record (``sem:<name>#permits``) is left out: on a
+    lease backend it is a lease that outlives every holder by design (for
+    ``MARKER_LEASE``), so listed it showed a permit held, by a process long
+    gone, after the permits themselves had run out.
     """
     result = HeldLocks()
     for alias in using if using is not None else list(locks):
         try:
-            result.locks.extend(dataclasses.replace(info, kind=kind_of(info)) for info in locks[alias].held())
+            result.locks.extend(
+                dataclasses.replace(info, kind=kind_of(info))
+                for info in locks[alias].held()
+                if not _PERMITS_RECORD.search(info.key)
+            )
         except NotImplementedError:
             result.errors[alias] = "this backend cannot list its locks"
         except LockError as exc:

@@ -174,6 +174,7 @@ class DistributedLock(LockAPI):
         hold. Raise LockLost if the thread's hold was lost, BackendUnavailable if
         the server cannot be reached.
         """
+        self._refuse_in_event_loop()
         return self._acquire(self.wait if wait is _DEFAULT else check_wait(wait), time.monotonic())
 
     def _acquire(

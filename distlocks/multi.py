@@ -39,6 +39,8 @@ class MultiLock(LockAPI):
     for the whole set. Ownership belongs to the calling thread, as for the lock.
     """
 
+    async_form = "distlocks.amulti_lock(...)"
+
     def __init__(
         self,
         names: list[str] | tuple[str, ...],
@@ -94,6 +96,7 @@ class MultiLock(LockAPI):
         is returned: nothing is left held. Raise what a member's acquire raises
         (LockLost, BackendUnavailable), after releasing the members taken.
         """
+        self._refuse_in_event_loop()
         wait = self.wait if wait is _DEFAULT else check_wait(wait)
         deadline = deadline_after(wait)
         taken: list[DistributedLock] = []

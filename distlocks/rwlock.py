@@ -35,6 +35,7 @@ class ReadLock(DistributedLock):
     """The read side of a read-write lock: shared with every other reader."""
 
     noun = "Read lock"
+    async_form = "distlocks.aread_write_lock(...).read()"
     mode = READ
     read_key = ""  # the key of the read side's holds (set by ReadWriteLock)
 
@@ -47,6 +48,7 @@ class WriteLock(ReadLock):
     """The write side of a read-write lock: no reader and no other writer while it is held."""
 
     noun = "Write lock"
+    async_form = "distlocks.aread_write_lock(...).write()"
     mode = WRITE
 
     def _may_acquire(self) -> None:

@@ -63,6 +63,7 @@ class Semaphore(LockAPI):
     """
 
     noun = "Semaphore"
+    async_form = "distlocks.asemaphore(...)"
 
     def __init__(
         self,
@@ -136,6 +137,7 @@ class Semaphore(LockAPI):
         permits, LockLost if the thread's permit was lost, BackendUnavailable if
         the server cannot be reached.
         """
+        self._refuse_in_event_loop()
         wait = self.wait if wait is _DEFAULT else check_wait(wait)
         deadline = deadline_after(wait)
         order = self._try_first(wait)

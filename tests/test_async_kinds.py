@@ -25,7 +25,7 @@ pytestmark = DB
 
 def held_here(alias, name):
     """The locks held on ``alias`` whose name contains ``name`` (permits, members, sides), from a thread."""
-    return [info for info in held_locks([alias]).locks if name in info.key and "#permits" not in info.key]
+    return [info for info in held_locks([alias]).locks if name in info.key]
 
 
 async def held_now(alias, name):

@@ -123,3 +123,25 @@ def test_wheel_and_sdist_install_in_a_fresh_virtualenv(tmp_path):
     script = "import django; django.setup(); import distlocks\nwith distlocks.lock('first') as held: print(held.token)"
     env["DJANGO_SETTINGS_MODULE"] = "shopsite.settings"
     assert run(python, "-c", script, cwd=project, env=env).strip().isdigit()
+
+
+def test_an_editable_install_as_the_demo_makes_says_nothing(tmp_path):
+    """``pip install -q -e .`` (scripts/demo.sh, requirements-test.txt) prints no setuptools warning to a new user.
+
+    The checkout's root is the import root (``package-dir``): setuptools puts it on
+    sys.path with a plain .pth file, instead of a finder it warns about.
+    """
+    venv = tmp_path / "venv"
+    run(sys.executable, "-m", "venv", "--without-pip", str(venv), cwd=tmp_path)
+    python, env = str(venv / "bin" / "python"), clean_env()
+    # This run's pip, as new as the one the demo upgrades to (older ones do not pass the backend's warnings on).
+    install = ["install", "-q", "--disable-pip-version-check", "--no-deps", "-e", str(ROOT)]
+    command = [sys.executable, "-m", "pip", "--python", python, *install]
+    with one_build_at_a_time():
+        done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    # What pip says of this machine's own index configuration is not the package's.
+    said = [line for line in done.stdout.splitlines() + done.stderr.splitlines() if "is ignored" not in line]
+    assert said == []
+    find = "import importlib.util; print(importlib.util.find_spec('distlocks').origin)"  # no Django: --no-deps
+    assert run(python, "-c", find, cwd=tmp_path, env=env).strip() == str(ROOT / "distlocks" / "__init__.py")

@@ -189,3 +189,30 @@ def test_the_last_free_permit_of_many_is_found(alias, leave_nothing, name, worke
         assert workers("take_permit", alias, name, 5, wait).finish()[:2] == ["acquired", free]
     workers("hold_permit", alias, name, 5, 5).line()
     assert workers("take_permit", alias, name, 5, 0).finish() == ["busy"]
+
+
+def listed(alias, name):
+    """What ``distlocks_list`` and the admin show of the semaphore ``name`` (both list ``held_locks``)."""
+    return [info for info in held_locks([alias]).locks if name in info.key]
+
+
+@pytest.mark.parametrize("alias", PROCESS_ALIASES, indirect=True)
+def test_after_a_holders_sigkill_the_listing_shows_only_the_permits_really_held(alias, leave_nothing, name, workers):
+    """Before, the permits record (a lease every user renews, 10 minutes long) stayed listed as a semaphore hold,
+    owned by the process that took it first, long after that process was killed and its permit ran out."""
+    holder = workers("hold_permit", alias, name, 2, 2)  # a 2 s lease (ZooKeeper: its 4 s session)
+    assert holder.line()[0] == "acquired"
+    sem = distlocks.semaphore(name, 2, using=alias, ttl=30)
+    with sem:
+        assert sorted(info.key for info in listed(alias, name)) == [permit.key for permit in sem.slots]
+        holder.kill()
+        deadline = time.monotonic() + 30
+        while len(listed(alias, name)) > 1:
+            assert time.monotonic() < deadline, listed(alias, name)
+            time.sleep(0.05)
+        [mine] = listed(alias, name)
+        assert (mine.key, mine.token, mine.kind) == (sem.slots[sem.slot].key, sem.token, "semaphore")
+    assert listed(alias, name) == []
+    if alias in RECORDING_ALIASES:  # the record is still there, doing its work
+        with pytest.raises(ValueError, match="permits is 3, but"):
+            distlocks.semaphore(name, 3, using=alias, wait=0).acquire()

@@ -289,10 +289,14 @@ class OwnConnectionBackend(BaseLockBackend):
         base = database_of(self.alias, self.database)
         if base.vendor == "sqlite" and (base.in_atomic_block or in_memory(base)):
             return self.database
-        if not tracked(self._connection):  # first use, or this process is a fork of the one that opened it
-            self._connection = open_like(base, self._connection_alias, self.connect_timeout, self.timeout)
-            track(self._connection)
-            connections[self._connection_alias] = self._connection
+        connection = self._connection
+        # First use, or this process is a fork of the one that opened it:
+        if connection is None or not tracked(connection):
+            connection = self._connection = open_like(base, self._connection_alias, self.connect_timeout, self.timeout)
+            track(connection)
+        # Registered at each use (0.5 us): Django's registry belongs to the asyncio context (asgiref's Local), and
+        # one thread may lock in and out of an event loop (DJANGO_ALLOW_ASYNC_UNSAFE) with this one connection.
+        connections[self._connection_alias] = connection
         return self._connection_alias
 
     def _run(self, operation: Callable[[BaseDatabaseWrapper], T], *, when_busy: T | _Raise = RAISE) -> T:
