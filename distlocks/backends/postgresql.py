@@ -70,7 +70,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import weakref
 from typing import Any
 
 import psycopg
@@ -143,11 +142,15 @@ def _execute(cursor: Any, sql: str, params: list[Any]) -> Any:
     into Django's as Django's cursor does (Django's cursor cost 4-5 µs more a
     statement).
     """
-    raw = cursor.db.connection
-    bound = _bound_cursors.get(raw)
-    if bound is None:
+    connection = cursor.db
+    kept = getattr(connection, "distlocks_bound", None)
+    if kept is not None and kept[0] is connection.connection:
+        bound = kept[1]
+    else:  # the session's first statement: kept with the session it belongs to, as native._cursor keeps Django's
+        raw = connection.connection
         raw.prepare_threshold = _ONLY_WHEN_ASKED  # Django's None would turn ``prepare=True`` off too
-        bound = _bound_cursors[raw] = psycopg.Cursor(raw)
+        bound = psycopg.Cursor(raw)
+        connection.distlocks_bound = (raw, bound)
     # Every int as a bigint: psycopg sends the smallest type that fits, and each
     # new combination of types would be prepared anew.
     params = [Int8(param) if type(param) is int else param for param in params]
@@ -157,8 +160,6 @@ def _execute(cursor: Any, sql: str, params: list[Any]) -> Any:
 
 
 _ONLY_WHEN_ASKED = 2**62
-# A server-binding cursor per driver connection (Django's binds on the client).
-_bound_cursors: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 def advisory_key(key: str) -> int:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import signal
 import time
+import weakref
 from io import StringIO
 
 import pytest
@@ -131,6 +133,24 @@ def test_a_lock_connection_whose_idle_session_was_ended_serves_the_next_acquisit
         assert holding_session(alias, name) != session
     assert tokens == sorted(set(tokens)), tokens
     assert free_elsewhere(name, alias)
+
+
+@pytest.mark.parametrize("alias", ["postgresql_native"], indirect=True)
+def test_a_lock_connection_keeps_nothing_of_its_ended_sessions(alias, name):
+    # What the backend keeps per session (its cursors, the prepared statements) goes with the
+    # session: a process whose lock sessions end (threads that end, sessions ended by the
+    # server) does not pile up their driver connections.
+    lk = distlocks.lock(name, using=alias, renew=False)
+    ended = []
+    for _ in range(3):
+        with lk:
+            session = holding_session(alias, name)
+        ended.append(weakref.ref(locks[alias]._idle[-1].connection))  # back in this thread's pool
+        kill_session(DATABASE[alias], session)
+    with lk:  # on a new session
+        pass
+    gc.collect()
+    assert [ref() for ref in ended] == [None, None, None]
 
 
 @pytest.mark.parametrize("alias", ["postgresql_native"], indirect=True)
