@@ -16,13 +16,14 @@ from django.db import connections
 
 import distlocks
 from distlocks.backends.db import close_connections
+from distlocks.backends.db.connections import open_like
 from distlocks.backends.mysql import server_name
 from distlocks.exceptions import LockLost
 from distlocks.handler import locks
 from distlocks.signals import lock_lost
 from tests.conftest import DB, NATIVE_ALIASES, Holder, queue_waiters
 from tests.faults.conftest import behind_proxy, free_elsewhere
-from tests.faults.test_db import kill_session
+from tests.faults.test_db import kill_session, session_alive
 from tests.test_db import places_queued
 
 pytestmark = DB
@@ -151,6 +152,26 @@ def test_a_lock_connection_keeps_nothing_of_its_ended_sessions(alias, name):
         pass
     gc.collect()
     assert [ref() for ref in ended] == [None, None, None]
+
+
+def test_a_lock_connection_has_a_session_of_its_own_on_a_pooled_database():
+    # With Django's connection pool (OPTIONS["pool"]) a close() gives the session back to the
+    # pool, and the advisory locks and LISTENs it holds to the pool's next user: a lock
+    # connection must end its session when closed (what frees a hold whose owner was interrupted).
+    base = connections["postgresql"]
+    options = {**base.settings_dict["OPTIONS"], "pool": {"min_size": 1, "max_size": 2}}
+    pooled = type(base)({**base.settings_dict, "OPTIONS": options}, alias="pooled")
+    connection = open_like(pooled, "distlocks:pooled", 5, 5)
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_backend_pid(), pg_advisory_lock(1)")
+            session = cursor.fetchone()[0]
+        connection.close()
+        until(lambda: not session_alive("postgresql", session), what=f"the end of session {session}")
+    finally:
+        connection.close()
+        with contextlib.suppress(Exception):
+            connection.close_pool()
 
 
 @pytest.mark.parametrize("alias", ["postgresql_native"], indirect=True)

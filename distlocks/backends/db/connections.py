@@ -201,6 +201,9 @@ def open_like(base: BaseDatabaseWrapper, alias: str, connect_timeout: float, tim
     # TIME_ZONE None: read the rows' datetimes as the UTC they are stored in.
     settings_dict = {**base.settings_dict, "ATOMIC_REQUESTS": False, "AUTOCOMMIT": True, "TIME_ZONE": None}
     options = dict(settings_dict.get("OPTIONS") or {})
+    # A session of its own, ended by close(): a pool's close() hands the session,
+    # and the server locks and LISTENs it holds, to the pool's next user.
+    options.pop("pool", None)
     if base.vendor in ("mysql", "postgresql"):
         options.setdefault("connect_timeout", connect_timeout)
         settings_dict[_TIMEOUT_KEY] = timeout
