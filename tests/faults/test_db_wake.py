@@ -138,3 +138,29 @@ def test_a_waiter_whose_releases_go_unheard_polls_instead(alias, name, tmp_path)
 def test_a_waiter_that_hears_the_releases_keeps_sleeping(alias, name, tmp_path):
     said = rounds_until_polling(alias, name, tmp_path, (), rounds=8)
     assert said == ["sleeps"] * 8
+
+
+def test_a_wake_up_that_came_during_the_look_is_heard_and_polling_ends_after_a_while(alias, name, monkeypatch):
+    from distlocks.backends.db import wake as wakes
+
+    database = database_id(connections[locks[alias].database])
+    key = locks[alias].make_key(name)
+    sleeper = alarm(database, key, 1)
+    assert sleeper is not None
+    try:
+        for _ in range(UNHEARD_BEFORE_POLLING):
+            wakes.wake(database, key, 1)  # sent after the sleep ran out, before the look ended
+            sleeper.unheard()
+            assert sleeper.wait(1) is True
+        assert wakes.hears(database)
+        monkeypatch.setattr(wakes, "POLL_FOR", 0.2)
+        for _ in range(UNHEARD_BEFORE_POLLING):
+            sleeper.unheard()
+        assert not wakes.hears(database)
+        assert alarm(database, key, 2) is None  # its waiters poll...
+        until(lambda: wakes.hears(database), 5)  # ...for a while, then sleep on wake-ups again
+        again = alarm(database, key, 2)
+        assert again is not None
+        again.close()
+    finally:
+        sleeper.close()

@@ -13,10 +13,11 @@ never the lock. Elsewhere (not Linux, a name already bound) waiters poll.
 Abstract names belong to a network namespace: processes in two containers
 that share the database file on one host do not hear each other's releases.
 A waiter that finds the lock free after a sleep no datagram ended (a release it
-did not hear) counts it; after ``UNHEARD_BEFORE_POLLING`` such sleeps in a row
-this process's waiters on that file poll instead, as where there are no
-wake-ups (a lease that ran out, a force-release, which send none, count too:
-polling costs CPU, never the lock).
+did not hear, unless its datagram came meanwhile) counts it; after
+``UNHEARD_BEFORE_POLLING`` such sleeps in a row this process's waiters on that
+file poll instead, as where there are no wake-ups, for ``POLL_FOR`` seconds,
+then sleep again (a lease that ran out, a force-release, which send none,
+count too: polling costs CPU, never the lock).
 """
 
 from __future__ import annotations
@@ -33,10 +34,12 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from distlocks.backends.db.statements import sql_for
 
 UNHEARD_BEFORE_POLLING = 3
+POLL_FOR = 60.0
 
 _bound: weakref.WeakSet[socket.socket] = weakref.WeakSet()
-# Database file -> waits in a row that found the lock free with no wake-up.
+# Database file -> waits in a row that found the lock free with no wake-up, and since when its waiters poll.
 _unheard: dict[str, int] = {}
+_polling_since: dict[str, float] = {}
 _sender: socket.socket | None = None
 
 
@@ -88,7 +91,16 @@ class Alarm:
 
     def unheard(self) -> None:
         """The lock was free after a sleep that no datagram ended: count a release this process did not hear."""
-        _unheard[self.database] = _unheard.get(self.database, 0) + 1
+        try:  # the datagram may have come after the sleep, during the look
+            heard = bool(self.socket.recv(16, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        except OSError:
+            heard = False
+        if heard:
+            _unheard.pop(self.database, None)
+            return
+        count = _unheard[self.database] = _unheard.get(self.database, 0) + 1
+        if count == UNHEARD_BEFORE_POLLING:
+            _polling_since[self.database] = time.monotonic()
 
     def close(self) -> None:
         _bound.discard(self.socket)
@@ -97,6 +109,10 @@ class Alarm:
 
 def hears(database: str) -> bool:
     """Whether this process's waiters on the ``database`` file sleep until woken (else they poll)."""
+    since = _polling_since.get(database)
+    if since is not None and time.monotonic() - since > POLL_FOR:  # try the wake-ups again
+        del _polling_since[database]
+        _unheard.pop(database, None)
     return _unheard.get(database, 0) < UNHEARD_BEFORE_POLLING
 
 
