@@ -194,8 +194,19 @@ class RedlockBackend(BaseLockBackend):
             )
 
     def try_acquire(self, key: str, owner: Owner, ttl: float) -> int | None:
-        started = time.monotonic()
         late = _LateTakes(key, owner)
+        try:
+            return self._try_acquire(key, owner, ttl, late)
+        except BaseException:
+            if late.acquired is None:
+                # Interrupted (a signal handler raised) before the outcome was known: what
+                # the nodes took, or will take, is given back, without waiting for them.
+                late.settle(acquired=False)
+                self._ask(lambda node: node.release(key, owner), 0.0, always=True, key=key)
+            raise
+
+    def _try_acquire(self, key: str, owner: Owner, ttl: float, late: _LateTakes) -> int | None:
+        started = time.monotonic()
         deadline = self._deadline(ttl)
         # Proposing a token above every node's clock (by up to a second of skew)
         # makes the nodes give the same one, and the second round is not needed.

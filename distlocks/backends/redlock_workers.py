@@ -89,12 +89,14 @@ class Round:
     def wait(self) -> list[Any]:
         """Wait until every node answered, the answers settle the question, or the deadline; close the round."""
         with self.changed:
-            while not self._over():
-                left = self.deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self.changed.wait(left)
-            self.closed = True
+            try:
+                while not self._over():
+                    left = self.deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self.changed.wait(left)
+            finally:  # interrupted too: an answer that comes now is late, for ``late`` to undo
+                self.closed = True
             return [LATE if answer is PENDING else answer for answer in self.answers]
 
 
@@ -172,8 +174,9 @@ class NodeBacklog:
                 self._make_room(now)
             self.calls.append(call)
             if self.thread is None:
-                self.thread = threading.Thread(target=self._work, name="distlocks-redlock", daemon=True)
-                self.thread.start()
+                thread = threading.Thread(target=self._work, name="distlocks-redlock", daemon=True)
+                thread.start()  # if it cannot start, the next call tries again
+                self.thread = thread
             wake, self.idle = self.idle, False
         if wake:
             self.wake.put(None)
@@ -228,7 +231,11 @@ class NodeBacklog:
 
     def _work(self) -> None:
         while True:
-            self._next().put()
+            call = self._next()
+            try:
+                call.put()
+            except Exception:  # a late answer's handler that failed: the node's next calls still go to it
+                logger.exception("Redlock node %s: handling a late answer failed", self.cache)
 
 
 # This process's backlogs, per cache alias: a forked child starts without its parent's threads.

@@ -20,6 +20,7 @@ from distlocks.owner import current_owner
 from localservers import REDIS_PORT, RedisServer, answers
 from tests.conftest import DB, Holder, guarded_events
 from tests.faults.conftest import FreezableProxy, free_elsewhere
+from tests.faults.test_interrupts import Interrupted, interrupt_main_when, raising_on
 
 pytestmark = [DB, pytest.mark.servers("redis")]
 
@@ -434,3 +435,23 @@ def test_a_frozen_nodes_late_take_still_gets_its_release_when_its_backlog_overfl
     nodes.thaw(0)  # the take answers, late: then comes the release, kept for the take's lease
     _settle(nodes, 0)
     _until(lambda: nodes.holding(key) == set(), f"held on {nodes.holding(key)} after the release")
+
+
+@LONG_SOCKET_TIMEOUT
+def test_an_acquire_interrupted_while_a_majority_is_frozen_leaves_no_hold(nodes, name):
+    # A signal handler raises (a Celery soft time limit) while the acquire waits for a
+    # frozen majority: what nodes 3 and 4 took is given back at once, and the takes the
+    # frozen nodes run when they thaw are given back too, long before the ttl.
+    ttl = 60.0  # a round lasts 6 s: time enough to interrupt it
+    key = locks["rl"].make_key(name)
+    nodes.freeze(0, 1, 2)
+    lk = distlocks.lock(name, using="rl", ttl=ttl)
+    interrupter = interrupt_main_when(lambda: nodes.holding(key) == {3, 4})
+    with raising_on(signal.SIGALRM), pytest.raises(Interrupted):
+        lk.acquire(wait=0)
+    interrupter.join()
+    _until(lambda: nodes.holding(key) == set(), f"held on {nodes.holding(key)} after the interrupt")
+    nodes.thaw(0, 1, 2)  # their buffered takes run now, late
+    _settle(nodes, 0, 1, 2)
+    _until(lambda: nodes.holding(key) == set(), f"left behind on {nodes.holding(key)}", seconds=ttl / 4)
+    assert _taken_everywhere(nodes, name, seconds=ttl / 4), f"held on {nodes.holding(key)}"
