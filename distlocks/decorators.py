@@ -7,9 +7,10 @@ import inspect
 import math
 from collections.abc import Awaitable, Callable
 from contextlib import ExitStack
-from inspect import Parameter, iscoroutinefunction
+from inspect import Parameter
 from typing import Any
 
+from asgiref.sync import iscoroutinefunction
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connections, transaction
 from django.http import HttpRequest, HttpResponse

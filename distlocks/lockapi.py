@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import inspect
 import os
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
+
+from asgiref.sync import iscoroutinefunction
 
 from distlocks.exceptions import LockError, LockNotAcquired, SyncLockInAsyncContext
 
@@ -100,7 +101,7 @@ class LockAPI:
         Not on a coroutine function: its call only makes the coroutine, which
         would run after the release. TypeError at once, naming the async form.
         """
-        if inspect.iscoroutinefunction(func):
+        if iscoroutinefunction(func):
             raise TypeError(
                 self._message(
                     f"cannot decorate the coroutine function {func.__qualname__}: "
