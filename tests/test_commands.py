@@ -207,7 +207,10 @@ def test_oversell_rejects_an_unknown_strategy():
 @pytest.mark.parametrize(
     ("arguments", "error"),
     [
-        (["--lease", "2", "--pause", "2"], "--lease and --pause must be more than 0, --pause longer"),
+        (
+            ["--pause-every", "5", "--lease", "2", "--pause", "2"],
+            "--lease and --pause must be more than 0, --pause longer",
+        ),
         (["--pause-every", "5"], "--pause-every needs MariaDB or PostgreSQL: on SQLite a paused buyer's"),
     ],
 )

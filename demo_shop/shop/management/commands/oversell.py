@@ -96,8 +96,16 @@ class Cluster:
         """The workers that have stopped themselves between a read and a write, in the order they stopped."""
         if self.pause_dir is None:
             return []
-        files = sorted(self.pause_dir.iterdir(), key=lambda path: path.stat().st_mtime_ns)
-        return [int(path.name) for path in files if halted(int(path.name))]
+        stopped = []
+        for path in sorted(self.pause_dir.iterdir(), key=lambda path: path.stat().st_mtime_ns):
+            try:
+                os.kill(int(path.name), 0)
+            except ProcessLookupError:  # gunicorn ended it (a timeout): it will not sell, nor be continued
+                path.unlink(missing_ok=True)
+                continue
+            if halted(int(path.name)):
+                stopped.append(int(path.name))
+        return stopped
 
     def resume(self, pid: int) -> None:
         assert self.pause_dir is not None
@@ -110,7 +118,7 @@ class Cluster:
             for path in self.pause_dir.iterdir():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(int(path.name), signal.SIGCONT)
-            shutil.rmtree(self.pause_dir)
+            shutil.rmtree(self.pause_dir, ignore_errors=True)  # a continued worker may write its file meanwhile
         self.process.terminate()
         try:
             self.process.wait(timeout=30)
@@ -153,7 +161,7 @@ class Command(BaseCommand):
                 raise CommandError(f"--{option} must be at least 1")
         if options["pause_every"] < 0:
             raise CommandError("--pause-every must be 0 (no pauses) or more")
-        if not 0 < options["lease"] < options["pause"] <= 60:
+        if options["pause_every"] and not 0 < options["lease"] < options["pause"] <= 60:
             raise CommandError("--lease and --pause must be more than 0, --pause longer and at most 60 seconds")
         if options["pause_every"] and options["workers"] < 2:
             raise CommandError("--pause-every needs --workers 2 or more: a stopped worker serves nobody")
