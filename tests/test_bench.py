@@ -25,6 +25,20 @@ ENV = {
 }
 
 
+def run(script, tmp_path, results, *arguments):
+    """Run ``bench/script`` with ``arguments`` and this run's environment; the rows it wrote to ``results``."""
+    completed = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / script), "--out", str(tmp_path), *arguments],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return json.loads((tmp_path / results).read_text())
+
+
 @pytest.mark.parametrize(
     ("script", "arguments", "results"),
     [
@@ -35,16 +49,7 @@ ENV = {
     ],
 )
 def test_benchmark_runs_and_loses_no_update(script, arguments, results, tmp_path):
-    completed = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / script), *QUICK, "--out", str(tmp_path), *arguments],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    rows = json.loads((tmp_path / results).read_text())
+    rows = run(script, tmp_path, results, *QUICK, *arguments)
     assert any(row["lock"] == "distlocks" for row in rows)
     contended = [row for row in rows if "lost_updates" in row]
     assert contended, rows
@@ -53,24 +58,7 @@ def test_benchmark_runs_and_loses_no_update(script, arguments, results, tmp_path
 
 
 def test_kinds_benchmark_runs(tmp_path):
-    completed = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "bench" / "kinds.py"),
-            *QUICK[:4],
-            "--out",
-            str(tmp_path),
-            "--url",
-            f"redis://127.0.0.1:{REDIS_PORT}/15",
-        ],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    rows = json.loads((tmp_path / "kinds.json").read_text())
+    rows = run("kinds.py", tmp_path, "kinds.json", *QUICK[:4], "--url", f"redis://127.0.0.1:{REDIS_PORT}/15")
     assert [row["lock"] for row in rows] == [
         "lock",
         "semaphore (3 permits)",
@@ -83,26 +71,7 @@ def test_kinds_benchmark_runs(tmp_path):
 
 
 def test_db_benchmark_pins_postgresql_sessions(tmp_path):
-    completed = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "bench" / "db_locks.py"),
-            *QUICK[:4],
-            "--out",
-            str(tmp_path),
-            "--databases",
-            "postgresql",
-            "--pin",
-            "apart",
-            "--uncontended-only",
-        ],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    rows = json.loads((tmp_path / "db.json").read_text())
+    arguments = ["--databases", "postgresql", "--pin", "apart", "--uncontended-only"]
+    rows = run("db_locks.py", tmp_path, "db.json", *QUICK[:4], *arguments)
     assert [row["lock"] for row in rows] == ["floor", "django-db-mutex", "distlocks", "native"]
     assert all(row["median_us"] > 0 and "per_second" not in row for row in rows), rows
