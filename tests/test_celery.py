@@ -269,7 +269,7 @@ def test_dedupe_at_enqueue_returns_the_queued_tasks_result(celery_workers, log, 
     # Only that task's identity can release its marker.
     assert not locks[alias].release(marker, task_owner(other.id, shared=True))
     celery_workers(1, 2, "-Q", queue)
-    wait_until(lambda: held(alias, f"dedupe:{name}") is not None)
+    wait_until(lambda: held(alias, f"dedupe:{name}") is not None, timeout=60)  # a worker starting on a loaded machine
     assert send(name, log, 1.0).id == first.id  # running
     first.get(timeout=30)
     other.get(timeout=30)
