@@ -70,6 +70,34 @@ def test_bad_timeout_option_is_improperly_configured(settings, timeout):
         distlocks.lock("x", using="db")
 
 
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "distlocks.backends.db.DatabaseBackend",
+        "distlocks.backends.mysql.MySQLLockBackend",
+        "distlocks.backends.postgresql.AdvisoryLockBackend",
+    ],
+)
+@pytest.mark.parametrize("connect_timeout", [0, -1, "5", float("nan"), True])
+def test_bad_connect_timeout_option_is_improperly_configured(settings, backend, connect_timeout):
+    # 0 or less would leave libpq and mysqlclient waiting for a silent server without end.
+    database = "postgresql" if "postgresql" in backend else "mariadb"
+    options = {"DATABASE": database, "CONNECT_TIMEOUT": connect_timeout}
+    settings.DISTLOCKS = {"db": {"BACKEND": backend, "OPTIONS": options}}
+    with pytest.raises(ImproperlyConfigured, match=r"DISTLOCKS\['db'\]: OPTIONS\['CONNECT_TIMEOUT'\] must be"):
+        distlocks.lock("x", using="db")
+
+
+@pytest.mark.parametrize(
+    "backend", ["distlocks.backends.db.DatabaseBackend", "distlocks.backends.mysql.MySQLLockBackend"]
+)
+def test_a_fractional_connect_timeout_works_on_mariadb(settings, backend, name):
+    # mysqlclient takes whole seconds only: 1.5 used to raise TypeError from the driver.
+    settings.DISTLOCKS = {"db": {"BACKEND": backend, "OPTIONS": {"DATABASE": "mariadb", "CONNECT_TIMEOUT": 1.5}}}
+    with distlocks.lock(name, using="db", wait=0) as held:
+        assert held.token
+
+
 def places_queued(alias, name):
     """How many places the queue of ``name`` on ``alias`` has, live or not."""
     from distlocks.models import LockWaiter

@@ -110,9 +110,11 @@ def connection_options(alias: str, options: dict[str, Any]) -> tuple[str, float,
     """A database lock backend's ``OPTIONS``: (DATABASE, CONNECT_TIMEOUT, TIMEOUT), checked."""
     try:
         timeout = check_positive_number(options.get("TIMEOUT", DEFAULT_TIMEOUT), "OPTIONS['TIMEOUT']")
+        # Checked too: 0 or less would have libpq and mysqlclient wait for a silent server without end.
+        connect_timeout = check_positive_number(options.get("CONNECT_TIMEOUT", 5), "OPTIONS['CONNECT_TIMEOUT']")
     except ValueError as exc:
         raise ImproperlyConfigured(f"DISTLOCKS[{alias!r}]: {exc}") from exc
-    return options.get("DATABASE", DEFAULT_DB_ALIAS), options.get("CONNECT_TIMEOUT", 5), timeout
+    return options.get("DATABASE", DEFAULT_DB_ALIAS), connect_timeout, timeout
 
 
 def track(connection: BaseDatabaseWrapper) -> None:
@@ -205,7 +207,8 @@ def open_like(base: BaseDatabaseWrapper, alias: str, connect_timeout: float, tim
     # and the server locks and LISTENs it holds, to the pool's next user.
     options.pop("pool", None)
     if base.vendor in ("mysql", "postgresql"):
-        options.setdefault("connect_timeout", connect_timeout)
+        # Whole seconds: mysqlclient refuses a float (TypeError), libpq reads an integer.
+        options.setdefault("connect_timeout", math.ceil(connect_timeout))
         settings_dict[_TIMEOUT_KEY] = timeout
     if base.vendor == "mysql":  # psycopg's: see _bound_lock_waits
         options.setdefault("read_timeout", client_timeout(timeout))
