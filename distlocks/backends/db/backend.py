@@ -18,7 +18,7 @@ from django.db.models.expressions import RawSQL
 
 from distlocks.backends.base import LockInfo, deadline_after
 from distlocks.backends.db import rw
-from distlocks.backends.db.connections import execute, in_memory, missing_database
+from distlocks.backends.db.connections import database_address, execute, in_memory, missing_database
 from distlocks.backends.db.notify import batches, channel
 from distlocks.backends.db.queue import POLL_FIRST, POLL_MAX, QueuedBackend, sleep
 from distlocks.backends.db.statements import sql_for
@@ -283,9 +283,7 @@ class DatabaseBackend(QueuedBackend):
 
     @property
     def address(self) -> str:
-        database = connections.settings[self.database] if self.database in connections else {}
-        where = ":".join(str(part) for part in (database.get("HOST"), database.get("PORT")) if part)
-        return f"database {self.database!r} ({where + ' ' if where else ''}{database.get('NAME', '')})"
+        return database_address(self.database)
 
     def ping(self) -> None:
         def select_one(connection: BaseDatabaseWrapper) -> None:

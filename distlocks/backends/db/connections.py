@@ -88,6 +88,19 @@ def database_of(alias: str, database: str) -> BaseDatabaseWrapper:
         ) from exc
 
 
+def database_address(database: str) -> str:
+    """Where a DATABASES entry points, for messages: its host:port and name, never its password."""
+    settings_dict = connections.settings[database] if database in connections else {}
+    where = ":".join(str(part) for part in (settings_dict.get("HOST"), settings_dict.get("PORT")) if part)
+    return f"database {database!r} ({where + ' ' if where else ''}{settings_dict.get('NAME', '')})"
+
+
+def unavailable(alias: str, database: str, error: BaseException | None) -> BackendUnavailable:
+    """BackendUnavailable naming the host and port tried: mysqlclient's errors name the host only."""
+    address = database_address(database)
+    return BackendUnavailable(f"D{address[1:]} for locks on {alias!r} is unavailable: {error}", alias=alias)
+
+
 def missing_database(alias: str, database: str) -> checks.CheckMessage:
     """The system check error for a lock backend whose ``OPTIONS['DATABASE']`` is not in ``DATABASES``."""
     return checks.Error(
@@ -334,6 +347,4 @@ class OwnConnectionBackend(BaseLockBackend):
                 break
         if (is_busy(error) or _timed_out(error)) and not isinstance(when_busy, _Raise):
             return when_busy
-        raise BackendUnavailable(
-            f"Database {self.database!r} for locks on {self.alias!r} is unavailable: {error}", alias=self.alias
-        ) from error
+        raise unavailable(self.alias, self.database, error) from error

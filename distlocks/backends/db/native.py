@@ -38,12 +38,14 @@ from distlocks.backends.db.connections import (
     LOCATION_INSTEAD,
     close_if_dropped,
     connection_options,
+    database_address,
     database_of,
     is_busy,
     missing_database,
     open_like,
     track,
     tracked,
+    unavailable,
 )
 from distlocks.exceptions import BackendUnavailable
 from distlocks.owner import Owner
@@ -208,9 +210,7 @@ class NativeLockBackend(BaseLockBackend):
         self._idle.append(connection)
 
     def _unavailable(self, exc: Exception) -> BackendUnavailable:
-        return BackendUnavailable(
-            f"Database {self.database!r} for locks on {self.alias!r} is unavailable: {exc}", alias=self.alias
-        )
+        return unavailable(self.alias, self.database, exc)
 
     def _run(self, connection: BaseDatabaseWrapper, statement: Callable[[Any], T], waits: bool = False) -> T:
         """Run ``statement(cursor)``; any error closes the connection and raises BackendUnavailable,
@@ -409,9 +409,7 @@ class NativeLockBackend(BaseLockBackend):
 
     @property
     def address(self) -> str:
-        database = connections.settings[self.database] if self.database in connections else {}
-        where = ":".join(str(part) for part in (database.get("HOST"), database.get("PORT")) if part)
-        return f"database {self.database!r} ({where + ' ' if where else ''}{database.get('NAME', '')})"
+        return database_address(self.database)
 
     def ping(self) -> list[checks.CheckMessage]:
         return self._on_any(self.sql_warnings)
