@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 import time
 from datetime import timedelta
@@ -14,7 +15,9 @@ from django.utils import timezone
 
 import distlocks
 from distlocks.backends.db import close_connections
+from distlocks.checks import unanswered
 from distlocks.handler import locks
+from distlocks.inspection import held_locks
 from distlocks.models import Lock
 
 from .conftest import DB, DB_ALIASES, queue_waiters, wait_until
@@ -96,6 +99,45 @@ def test_a_fractional_connect_timeout_works_on_mariadb(settings, backend, name):
     settings.DISTLOCKS = {"db": {"BACKEND": backend, "OPTIONS": {"DATABASE": "mariadb", "CONNECT_TIMEOUT": 1.5}}}
     with distlocks.lock(name, using="db", wait=0) as held:
         assert held.token
+
+
+@contextlib.contextmanager
+def renamed(database, table):
+    """``table`` is missing from ``database`` meanwhile, as before ``migrate --database``."""
+    with connections[database].cursor() as cursor:
+        cursor.execute(f"ALTER TABLE {table} RENAME TO {table}_away")
+    try:
+        yield
+    finally:
+        with connections[database].cursor() as cursor:
+            cursor.execute(f"ALTER TABLE {table}_away RENAME TO {table}")
+
+
+@pytest.mark.parametrize(
+    ("backend", "database", "table"),
+    [
+        ("distlocks.backends.db.DatabaseBackend", "default", "distlocks_lock"),
+        ("distlocks.backends.db.DatabaseBackend", "mariadb", "distlocks_lock"),
+        ("distlocks.backends.db.DatabaseBackend", "postgresql", "distlocks_lock"),
+        ("distlocks.backends.mysql.MySQLLockBackend", "mariadb", "distlocks_native_lease"),
+        ("distlocks.backends.postgresql.AdvisoryLockBackend", "postgresql", "distlocks_native_lease"),
+    ],
+)
+def test_a_database_without_the_migrations_says_to_migrate_it(settings, backend, database, table, name):
+    # It used to be BackendUnavailable "... is unavailable: relation ... does not exist" (native), the
+    # driver's ProgrammingError (table backend), a traceback from distlocks_list, and no word from check.
+    settings.DISTLOCKS = {"unmigrated": {"BACKEND": backend, "OPTIONS": {"DATABASE": database}}}
+    advice = f"database '{database}' has no distlocks tables: run `python manage.py migrate --database {database}`"
+    with renamed(database, table):
+        [warning] = unanswered([locks["unmigrated"]])
+        assert warning.id == "distlocks.W014"
+        assert advice in warning.msg
+        with pytest.raises(ImproperlyConfigured, match=re.escape(advice)):
+            distlocks.lock(name, using="unmigrated", wait=0).acquire()
+        assert advice in held_locks(["unmigrated"]).errors["unmigrated"]
+    assert unanswered([locks["unmigrated"]]) == []
+    with distlocks.lock(name, using="unmigrated", wait=0):
+        pass
 
 
 def places_queued(alias, name):

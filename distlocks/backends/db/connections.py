@@ -78,6 +78,43 @@ def _timed_out(exc: Exception | None) -> bool:
     return bool(exc.args and exc.args[0] in _MYSQL_TIMED_OUT)
 
 
+def missing_table(exc: BaseException) -> bool:
+    """True if ``exc`` says a table does not exist: the lock database was not migrated."""
+    if getattr(exc.__cause__, "sqlstate", None) == "42P01":  # PostgreSQL's undefined_table
+        return True
+    if exc.args and exc.args[0] == 1146:  # MySQL's ER_NO_SUCH_TABLE
+        return True
+    return "no such table" in str(exc)  # SQLite
+
+
+class Unmigrated(ImproperlyConfigured):
+    """A lock database without distlocks' tables (not BackendUnavailable: the server answered)."""
+
+
+def unmigrated(alias: str, database: str) -> Unmigrated:
+    return Unmigrated(
+        f"DISTLOCKS[{alias!r}]: database {database!r} has no distlocks tables: "
+        f"run `python manage.py migrate --database {database}`"
+    )
+
+
+def unmigrated_warning(alias: str, table: str, ask: Callable[[str], object]) -> list[checks.CheckMessage]:
+    """For a backend's ``ping()``: W014 if ``ask(sql)`` finds ``table`` missing (``manage.py check`` may run before
+    ``migrate``, so a warning, not an error)."""
+    try:
+        ask(f"SELECT 1 FROM {table} WHERE 1 = 0")
+    except Unmigrated as exc:
+        return [
+            checks.Warning(
+                str(exc),
+                hint=f"Until then locks on {alias!r} raise ImproperlyConfigured. "
+                "Each database a DISTLOCKS entry names needs the migrations, not only 'default'.",
+                id="distlocks.W014",
+            )
+        ]
+    return []
+
+
 def database_of(alias: str, database: str) -> BaseDatabaseWrapper:
     """The Django connection a lock backend's ``OPTIONS['DATABASE']`` names; ImproperlyConfigured if none."""
     try:
@@ -335,12 +372,14 @@ class OwnConnectionBackend(BaseLockBackend):
         for _ in range(_BUSY_RETRIES):
             try:
                 return operation(connection)
-            except (OperationalError, InterfaceError) as exc:
+            except DatabaseError as exc:
+                if missing_table(exc):
+                    raise unmigrated(self.alias, self.database) from exc
+                if not isinstance(exc, OperationalError | InterfaceError):
+                    raise
                 error = exc
                 if is_busy(exc):
                     continue
-                if "no such table" in str(exc):
-                    raise
                 if using == self._connection_alias and not _timed_out(exc):
                     with contextlib.suppress(DatabaseError):
                         connection.close()

@@ -42,10 +42,13 @@ from distlocks.backends.db.connections import (
     database_of,
     is_busy,
     missing_database,
+    missing_table,
     open_like,
     track,
     tracked,
     unavailable,
+    unmigrated,
+    unmigrated_warning,
 )
 from distlocks.exceptions import BackendUnavailable
 from distlocks.owner import Owner
@@ -222,6 +225,8 @@ class NativeLockBackend(BaseLockBackend):
                 raise TimedOut from exc
             with contextlib.suppress(Exception):
                 connection.close()
+            if missing_table(exc):
+                raise unmigrated(self.alias, self.database) from exc
             if is_busy(exc):
                 # A half-done statement may hold the server's lock (GET_LOCK is not
                 # transactional): the closed session has freed it.
@@ -412,7 +417,9 @@ class NativeLockBackend(BaseLockBackend):
         return database_address(self.database)
 
     def ping(self) -> list[checks.CheckMessage]:
-        return self._on_any(self.sql_warnings)
+        return self._on_any(self.sql_warnings) + unmigrated_warning(
+            self.alias, TABLE, lambda sql: self._on_any(lambda cursor: cursor.execute(sql))
+        )
 
     def check(self) -> list[checks.CheckMessage]:
         if self.database not in connections:
