@@ -101,6 +101,24 @@ def test_a_fractional_connect_timeout_works_on_mariadb(settings, backend, name):
         assert held.token
 
 
+@pytest.mark.parametrize(
+    ("backend", "vendor"),
+    [
+        ("distlocks.backends.mysql.MySQLLockBackend", "mysql"),
+        ("distlocks.backends.postgresql.AdvisoryLockBackend", "postgresql"),
+    ],
+)
+def test_a_misspelt_database_option_is_named_when_the_default_database_is_the_wrong_kind(settings, backend, vendor):
+    # Used to be only "DISTLOCKS['n'] needs a mysql database; 'default' is sqlite": nothing about the typo.
+    settings.DISTLOCKS = {"n": {"BACKEND": backend, "OPTIONS": {"DATABSE": "mariadb"}}}
+    expected = (
+        f"DISTLOCKS['n'] ({backend.rsplit('.', 1)[1]}) needs a {vendor} database; 'default' is sqlite "
+        "(OPTIONS['DATABASE'] is not set; OPTIONS has 'DATABSE', which it does not read)"
+    )
+    with pytest.raises(ImproperlyConfigured, match=re.escape(expected)):
+        distlocks.lock("x", using="n").acquire(wait=0)
+
+
 @contextlib.contextmanager
 def renamed(database, table):
     """``table`` is missing from ``database`` meanwhile, as before ``migrate --database``."""

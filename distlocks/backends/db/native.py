@@ -193,8 +193,13 @@ class NativeLockBackend(BaseLockBackend):
     def _base(self) -> BaseDatabaseWrapper:
         base = database_of(self.alias, self.database)
         if base.vendor != self.vendor:
+            why = ""
+            if "DATABASE" not in self.options:  # a typo such as 'DATABSE' ends here, not in manage.py check
+                unknown = ", ".join(repr(key) for key in self.options if key not in self.option_names)
+                why = f" (OPTIONS['DATABASE'] is not set{f'; OPTIONS has {unknown}, which it does not read' if unknown else ''})"
             raise ImproperlyConfigured(
-                f"DISTLOCKS[{self.alias!r}] needs a {self.vendor} database; {self.database!r} is {base.vendor}"
+                f"DISTLOCKS[{self.alias!r}] ({type(self).__name__}) needs a {self.vendor} database; "
+                f"{self.database!r} is {base.vendor}{why}"
             )
         return base
 
