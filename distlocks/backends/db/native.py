@@ -196,7 +196,8 @@ class NativeLockBackend(BaseLockBackend):
             why = ""
             if "DATABASE" not in self.options:  # a typo such as 'DATABSE' ends here, not in manage.py check
                 unknown = ", ".join(repr(key) for key in self.options if key not in self.option_names)
-                why = f" (OPTIONS['DATABASE'] is not set{f'; OPTIONS has {unknown}, which it does not read' if unknown else ''})"
+                ignored = f"; OPTIONS has {unknown}, which it does not read" if unknown else ""
+                why = f" (OPTIONS['DATABASE'] is not set{ignored})"
             raise ImproperlyConfigured(
                 f"DISTLOCKS[{self.alias!r}] ({type(self).__name__}) needs a {self.vendor} database; "
                 f"{self.database!r} is {base.vendor}{why}"
