@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 from typing import Any
 
-from distlocks.backends.base import check_wait, deadline_after, time_left
+from distlocks.backends.base import check_encodable, check_wait, deadline_after, time_left
 from distlocks.exceptions import LockLost, LockNotOwned
 from distlocks.handler import DEFAULT_ALIAS
 from distlocks.lock import DistributedLock
@@ -29,6 +29,7 @@ def check_names(names: Any) -> tuple[str, ...]:
     for name in names:
         if not isinstance(name, str) or not name:
             raise ValueError(f"names must hold non-empty str lock names, not {name!r}")
+        check_encodable(name, "names")
     return tuple(sorted(set(names)))
 
 

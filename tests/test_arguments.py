@@ -16,6 +16,7 @@ import distlocks
         ({"name": None}, "name must be a str, not NoneType"),
         ({"name": b"x"}, "name must be a str, not bytes"),
         ({"name": "x" * 256}, "name is 256 characters long; the 'default' backend takes at most 255"),
+        ({"name": "sur\udc80"}, "name must be text that UTF-8 can encode: 'sur"),
         ({"ttl": 0}, "ttl must be a finite number of seconds greater than 0"),
         ({"ttl": -1}, "ttl must be a finite number of seconds greater than 0"),
         ({"ttl": float("nan")}, "ttl must be a finite number"),
@@ -54,3 +55,17 @@ def test_key_prefix_counts_against_the_length(settings):
 
 def test_infinite_wait_means_forever():
     assert distlocks.lock("report", wait=float("inf")).wait is None
+
+
+@pytest.mark.parametrize("alias", ["mariadb_native", "postgresql_native", "redis", "zookeeper", "locmem"])
+def test_a_name_utf8_cannot_encode_fails_at_once_on_every_backend(alias):
+    # It used to pass here and raise the codec's UnicodeEncodeError at the acquire,
+    # naming a position in the backend's own key ("position 16" for a 4-character name on MariaDB).
+    for make in (
+        lambda: distlocks.lock("sur\udc80", using=alias),
+        lambda: distlocks.semaphore("sur\udc80", 2, using=alias),
+        lambda: distlocks.read_write_lock("sur\udc80", using=alias),
+        lambda: distlocks.multi_lock(["ok", "sur\udc80"], using=alias),
+    ):
+        with pytest.raises(ValueError, match="must be text that UTF-8 can encode: .* at index 3"):
+            make()

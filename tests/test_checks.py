@@ -49,6 +49,11 @@ def test_no_setting_means_the_database_on_default(settings):
         ({"default": {"BACKEND": "distlocks.backends.nope.Backend"}}, "distlocks.E002", "cannot import BACKEND"),
         ({"default": {"BACKEND": DB, "TTL": 0}}, "distlocks.E002", "DISTLOCKS['default']: TTL must be"),
         ({"default": {"BACKEND": DB, "OPTIONS": []}}, "distlocks.E002", "['OPTIONS'] must be a dict"),
+        (
+            {"default": {"BACKEND": DB, "OPTIONS": {"CONNECT_TIMEOUT": 0}}},
+            "distlocks.E002",
+            "DISTLOCKS['default']: OPTIONS['CONNECT_TIMEOUT'] must be",
+        ),
         ({"default": {"BACKEND": DB, "OPTIONS": {"DATABASE": "nope"}}}, "distlocks.E003", "uses database 'nope'"),
     ],
 )

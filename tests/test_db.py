@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 import time
 from datetime import timedelta
@@ -14,7 +15,9 @@ from django.utils import timezone
 
 import distlocks
 from distlocks.backends.db import close_connections
+from distlocks.checks import unanswered
 from distlocks.handler import locks
+from distlocks.inspection import held_locks
 from distlocks.models import Lock
 
 from .conftest import DB, DB_ALIASES, queue_waiters, wait_until
@@ -68,6 +71,91 @@ def test_bad_timeout_option_is_improperly_configured(settings, timeout):
     settings.DISTLOCKS = {"db": {"BACKEND": "distlocks.backends.db.DatabaseBackend", "OPTIONS": {"TIMEOUT": timeout}}}
     with pytest.raises(ImproperlyConfigured, match=r"DISTLOCKS\['db'\]: OPTIONS\['TIMEOUT'\] must be"):
         distlocks.lock("x", using="db")
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "distlocks.backends.db.DatabaseBackend",
+        "distlocks.backends.mysql.MySQLLockBackend",
+        "distlocks.backends.postgresql.AdvisoryLockBackend",
+    ],
+)
+@pytest.mark.parametrize("connect_timeout", [0, -1, "5", float("nan"), True])
+def test_bad_connect_timeout_option_is_improperly_configured(settings, backend, connect_timeout):
+    # 0 or less would leave libpq and mysqlclient waiting for a silent server without end.
+    database = "postgresql" if "postgresql" in backend else "mariadb"
+    options = {"DATABASE": database, "CONNECT_TIMEOUT": connect_timeout}
+    settings.DISTLOCKS = {"db": {"BACKEND": backend, "OPTIONS": options}}
+    with pytest.raises(ImproperlyConfigured, match=r"DISTLOCKS\['db'\]: OPTIONS\['CONNECT_TIMEOUT'\] must be"):
+        distlocks.lock("x", using="db")
+
+
+@pytest.mark.parametrize(
+    "backend", ["distlocks.backends.db.DatabaseBackend", "distlocks.backends.mysql.MySQLLockBackend"]
+)
+def test_a_fractional_connect_timeout_works_on_mariadb(settings, backend, name):
+    # mysqlclient takes whole seconds only: 1.5 used to raise TypeError from the driver.
+    settings.DISTLOCKS = {"db": {"BACKEND": backend, "OPTIONS": {"DATABASE": "mariadb", "CONNECT_TIMEOUT": 1.5}}}
+    with distlocks.lock(name, using="db", wait=0) as held:
+        assert held.token
+
+
+@pytest.mark.parametrize(
+    ("backend", "vendor"),
+    [
+        ("distlocks.backends.mysql.MySQLLockBackend", "mysql"),
+        ("distlocks.backends.postgresql.AdvisoryLockBackend", "postgresql"),
+    ],
+)
+def test_a_misspelt_database_option_is_named_when_the_default_database_is_the_wrong_kind(settings, backend, vendor):
+    # Used to be only "DISTLOCKS['n'] needs a mysql database; 'default' is sqlite": nothing about the typo.
+    settings.DISTLOCKS = {"n": {"BACKEND": backend, "OPTIONS": {"DATABSE": "mariadb"}}}
+    expected = (
+        f"DISTLOCKS['n'] ({backend.rsplit('.', 1)[1]}) needs a {vendor} database; 'default' is sqlite "
+        "(OPTIONS['DATABASE'] is not set; OPTIONS has 'DATABSE', which it does not read)"
+    )
+    with pytest.raises(ImproperlyConfigured, match=re.escape(expected)):
+        distlocks.lock("x", using="n").acquire(wait=0)
+
+
+@contextlib.contextmanager
+def renamed(database, table):
+    """``table`` is missing from ``database`` meanwhile, as before ``migrate --database``."""
+    with connections[database].cursor() as cursor:
+        cursor.execute(f"ALTER TABLE {table} RENAME TO {table}_away")
+    try:
+        yield
+    finally:
+        with connections[database].cursor() as cursor:
+            cursor.execute(f"ALTER TABLE {table}_away RENAME TO {table}")
+
+
+@pytest.mark.parametrize(
+    ("backend", "database", "table"),
+    [
+        ("distlocks.backends.db.DatabaseBackend", "default", "distlocks_lock"),
+        ("distlocks.backends.db.DatabaseBackend", "mariadb", "distlocks_lock"),
+        ("distlocks.backends.db.DatabaseBackend", "postgresql", "distlocks_lock"),
+        ("distlocks.backends.mysql.MySQLLockBackend", "mariadb", "distlocks_native_lease"),
+        ("distlocks.backends.postgresql.AdvisoryLockBackend", "postgresql", "distlocks_native_lease"),
+    ],
+)
+def test_a_database_without_the_migrations_says_to_migrate_it(settings, backend, database, table, name):
+    # It used to be BackendUnavailable "... is unavailable: relation ... does not exist" (native), the
+    # driver's ProgrammingError (table backend), a traceback from distlocks_list, and no word from check.
+    settings.DISTLOCKS = {"unmigrated": {"BACKEND": backend, "OPTIONS": {"DATABASE": database}}}
+    advice = f"database '{database}' has no distlocks tables: run `python manage.py migrate --database {database}`"
+    with renamed(database, table):
+        [warning] = unanswered([locks["unmigrated"]])
+        assert warning.id == "distlocks.W014"
+        assert advice in warning.msg
+        with pytest.raises(ImproperlyConfigured, match=re.escape(advice)):
+            distlocks.lock(name, using="unmigrated", wait=0).acquire()
+        assert advice in held_locks(["unmigrated"]).errors["unmigrated"]
+    assert unanswered([locks["unmigrated"]]) == []
+    with distlocks.lock(name, using="unmigrated", wait=0):
+        pass
 
 
 def places_queued(alias, name):

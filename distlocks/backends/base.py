@@ -78,8 +78,24 @@ def check_name_and_alias(name: Any, using: Any) -> None:
         raise ValueError(f"name must be a str, not {type(name).__name__}")
     if not name:
         raise ValueError("name must not be empty")
+    check_encodable(name, "name")
     if not isinstance(using, str):
         raise ValueError(f"using must be the str alias of a DISTLOCKS entry, not {type(using).__name__}")
+
+
+def check_encodable(name: str, what: str) -> None:
+    """Refuse a name that UTF-8 cannot encode (a lone surrogate): no server could store it.
+
+    Without this, the database, native, Redis and ZooKeeper backends raised the
+    codec's UnicodeEncodeError only at the acquire, naming a position in their own key.
+    """
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"{what} must be text that UTF-8 can encode: {name!r} has the lone surrogate "
+            f"{name[exc.start]!r} at index {exc.start}"
+        ) from None
 
 
 def check_positive_number(value: Any, what: str) -> float:

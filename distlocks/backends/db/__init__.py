@@ -20,7 +20,8 @@ a lock is visible to every process as soon as it is taken and survives the
 rollback of the caller's transaction.
 
 Faults: if the database is down, every operation raises ``BackendUnavailable``
-after at most ``CONNECT_TIMEOUT`` seconds (default 5). On MySQL/MariaDB and
+after at most ``CONNECT_TIMEOUT`` seconds (default 5; more than 0, rounded up
+to whole seconds for the driver). On MySQL/MariaDB and
 PostgreSQL, a lock statement waits at most ``OPTIONS['TIMEOUT']`` seconds
 (default 5) for another session's lock (on PostgreSQL it also runs at most that
 long); an attempt to acquire that runs out of it has not acquired, any other

@@ -18,7 +18,13 @@ from django.db.models.expressions import RawSQL
 
 from distlocks.backends.base import LockInfo, deadline_after
 from distlocks.backends.db import rw
-from distlocks.backends.db.connections import execute, in_memory, missing_database
+from distlocks.backends.db.connections import (
+    database_address,
+    execute,
+    in_memory,
+    missing_database,
+    unmigrated_warning,
+)
 from distlocks.backends.db.notify import batches, channel
 from distlocks.backends.db.queue import POLL_FIRST, POLL_MAX, QueuedBackend, sleep
 from distlocks.backends.db.statements import sql_for
@@ -283,16 +289,19 @@ class DatabaseBackend(QueuedBackend):
 
     @property
     def address(self) -> str:
-        database = connections.settings[self.database] if self.database in connections else {}
-        where = ":".join(str(part) for part in (database.get("HOST"), database.get("PORT")) if part)
-        return f"database {self.database!r} ({where + ' ' if where else ''}{database.get('NAME', '')})"
+        return database_address(self.database)
 
-    def ping(self) -> None:
-        def select_one(connection: BaseDatabaseWrapper) -> None:
-            with connection.cursor() as cursor:
-                cursor.execute("SELECT 1")
+    def ping(self) -> list[checks.CheckMessage]:
+        from distlocks.models import Lock
 
-        self._run(select_one)
+        def ask(sql: str) -> None:
+            def select(connection: BaseDatabaseWrapper) -> None:
+                with connection.cursor() as cursor:
+                    cursor.execute(sql)
+
+            self._run(select)
+
+        return unmigrated_warning(self.alias, Lock._meta.db_table, ask)
 
     def check(self) -> list[checks.CheckMessage]:
         if self.database not in connections:

@@ -78,6 +78,43 @@ def _timed_out(exc: Exception | None) -> bool:
     return bool(exc.args and exc.args[0] in _MYSQL_TIMED_OUT)
 
 
+def missing_table(exc: BaseException) -> bool:
+    """True if ``exc`` says a table does not exist: the lock database was not migrated."""
+    if getattr(exc.__cause__, "sqlstate", None) == "42P01":  # PostgreSQL's undefined_table
+        return True
+    if exc.args and exc.args[0] == 1146:  # MySQL's ER_NO_SUCH_TABLE
+        return True
+    return "no such table" in str(exc)  # SQLite
+
+
+class Unmigrated(ImproperlyConfigured):
+    """A lock database without distlocks' tables (not BackendUnavailable: the server answered)."""
+
+
+def unmigrated(alias: str, database: str) -> Unmigrated:
+    return Unmigrated(
+        f"DISTLOCKS[{alias!r}]: database {database!r} has no distlocks tables: "
+        f"run `python manage.py migrate --database {database}`"
+    )
+
+
+def unmigrated_warning(alias: str, table: str, ask: Callable[[str], object]) -> list[checks.CheckMessage]:
+    """For a backend's ``ping()``: W014 if ``ask(sql)`` finds ``table`` missing (``manage.py check`` may run before
+    ``migrate``, so a warning, not an error)."""
+    try:
+        ask(f"SELECT 1 FROM {table} WHERE 1 = 0")
+    except Unmigrated as exc:
+        return [
+            checks.Warning(
+                str(exc),
+                hint=f"Until then locks on {alias!r} raise ImproperlyConfigured. "
+                "Each database a DISTLOCKS entry names needs the migrations, not only 'default'.",
+                id="distlocks.W014",
+            )
+        ]
+    return []
+
+
 def database_of(alias: str, database: str) -> BaseDatabaseWrapper:
     """The Django connection a lock backend's ``OPTIONS['DATABASE']`` names; ImproperlyConfigured if none."""
     try:
@@ -86,6 +123,19 @@ def database_of(alias: str, database: str) -> BaseDatabaseWrapper:
         raise ImproperlyConfigured(
             f"DISTLOCKS[{alias!r}]['OPTIONS']['DATABASE'] names {database!r}, which is not in DATABASES"
         ) from exc
+
+
+def database_address(database: str) -> str:
+    """Where a DATABASES entry points, for messages: its host:port and name, never its password."""
+    settings_dict = connections.settings[database] if database in connections else {}
+    where = ":".join(str(part) for part in (settings_dict.get("HOST"), settings_dict.get("PORT")) if part)
+    return f"database {database!r} ({where + ' ' if where else ''}{settings_dict.get('NAME', '')})"
+
+
+def unavailable(alias: str, database: str, error: BaseException | None) -> BackendUnavailable:
+    """BackendUnavailable naming the host and port tried: mysqlclient's errors name the host only."""
+    address = database_address(database)
+    return BackendUnavailable(f"D{address[1:]} for locks on {alias!r} is unavailable: {error}", alias=alias)
 
 
 def missing_database(alias: str, database: str) -> checks.CheckMessage:
@@ -110,9 +160,11 @@ def connection_options(alias: str, options: dict[str, Any]) -> tuple[str, float,
     """A database lock backend's ``OPTIONS``: (DATABASE, CONNECT_TIMEOUT, TIMEOUT), checked."""
     try:
         timeout = check_positive_number(options.get("TIMEOUT", DEFAULT_TIMEOUT), "OPTIONS['TIMEOUT']")
+        # Checked too: 0 or less would have libpq and mysqlclient wait for a silent server without end.
+        connect_timeout = check_positive_number(options.get("CONNECT_TIMEOUT", 5), "OPTIONS['CONNECT_TIMEOUT']")
     except ValueError as exc:
         raise ImproperlyConfigured(f"DISTLOCKS[{alias!r}]: {exc}") from exc
-    return options.get("DATABASE", DEFAULT_DB_ALIAS), options.get("CONNECT_TIMEOUT", 5), timeout
+    return options.get("DATABASE", DEFAULT_DB_ALIAS), connect_timeout, timeout
 
 
 def track(connection: BaseDatabaseWrapper) -> None:
@@ -205,7 +257,8 @@ def open_like(base: BaseDatabaseWrapper, alias: str, connect_timeout: float, tim
     # and the server locks and LISTENs it holds, to the pool's next user.
     options.pop("pool", None)
     if base.vendor in ("mysql", "postgresql"):
-        options.setdefault("connect_timeout", connect_timeout)
+        # Whole seconds: mysqlclient refuses a float (TypeError), libpq reads an integer.
+        options.setdefault("connect_timeout", math.ceil(connect_timeout))
         settings_dict[_TIMEOUT_KEY] = timeout
     if base.vendor == "mysql":  # psycopg's: see _bound_lock_waits
         options.setdefault("read_timeout", client_timeout(timeout))
@@ -319,18 +372,18 @@ class OwnConnectionBackend(BaseLockBackend):
         for _ in range(_BUSY_RETRIES):
             try:
                 return operation(connection)
-            except (OperationalError, InterfaceError) as exc:
+            except DatabaseError as exc:
+                if missing_table(exc):
+                    raise unmigrated(self.alias, self.database) from exc
+                if not isinstance(exc, OperationalError | InterfaceError):
+                    raise
                 error = exc
                 if is_busy(exc):
                     continue
-                if "no such table" in str(exc):
-                    raise
                 if using == self._connection_alias and not _timed_out(exc):
                     with contextlib.suppress(DatabaseError):
                         connection.close()
                 break
         if (is_busy(error) or _timed_out(error)) and not isinstance(when_busy, _Raise):
             return when_busy
-        raise BackendUnavailable(
-            f"Database {self.database!r} for locks on {self.alias!r} is unavailable: {error}", alias=self.alias
-        ) from error
+        raise unavailable(self.alias, self.database, error) from error

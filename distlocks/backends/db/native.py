@@ -38,12 +38,17 @@ from distlocks.backends.db.connections import (
     LOCATION_INSTEAD,
     close_if_dropped,
     connection_options,
+    database_address,
     database_of,
     is_busy,
     missing_database,
+    missing_table,
     open_like,
     track,
     tracked,
+    unavailable,
+    unmigrated,
+    unmigrated_warning,
 )
 from distlocks.exceptions import BackendUnavailable
 from distlocks.owner import Owner
@@ -188,8 +193,14 @@ class NativeLockBackend(BaseLockBackend):
     def _base(self) -> BaseDatabaseWrapper:
         base = database_of(self.alias, self.database)
         if base.vendor != self.vendor:
+            why = ""
+            if "DATABASE" not in self.options:  # a typo such as 'DATABSE' ends here, not in manage.py check
+                unknown = ", ".join(repr(key) for key in self.options if key not in self.option_names)
+                ignored = f"; OPTIONS has {unknown}, which it does not read" if unknown else ""
+                why = f" (OPTIONS['DATABASE'] is not set{ignored})"
             raise ImproperlyConfigured(
-                f"DISTLOCKS[{self.alias!r}] needs a {self.vendor} database; {self.database!r} is {base.vendor}"
+                f"DISTLOCKS[{self.alias!r}] ({type(self).__name__}) needs a {self.vendor} database; "
+                f"{self.database!r} is {base.vendor}{why}"
             )
         return base
 
@@ -208,9 +219,7 @@ class NativeLockBackend(BaseLockBackend):
         self._idle.append(connection)
 
     def _unavailable(self, exc: Exception) -> BackendUnavailable:
-        return BackendUnavailable(
-            f"Database {self.database!r} for locks on {self.alias!r} is unavailable: {exc}", alias=self.alias
-        )
+        return unavailable(self.alias, self.database, exc)
 
     def _run(self, connection: BaseDatabaseWrapper, statement: Callable[[Any], T], waits: bool = False) -> T:
         """Run ``statement(cursor)``; any error closes the connection and raises BackendUnavailable,
@@ -222,6 +231,8 @@ class NativeLockBackend(BaseLockBackend):
                 raise TimedOut from exc
             with contextlib.suppress(Exception):
                 connection.close()
+            if missing_table(exc):
+                raise unmigrated(self.alias, self.database) from exc
             if is_busy(exc):
                 # A half-done statement may hold the server's lock (GET_LOCK is not
                 # transactional): the closed session has freed it.
@@ -409,12 +420,12 @@ class NativeLockBackend(BaseLockBackend):
 
     @property
     def address(self) -> str:
-        database = connections.settings[self.database] if self.database in connections else {}
-        where = ":".join(str(part) for part in (database.get("HOST"), database.get("PORT")) if part)
-        return f"database {self.database!r} ({where + ' ' if where else ''}{database.get('NAME', '')})"
+        return database_address(self.database)
 
     def ping(self) -> list[checks.CheckMessage]:
-        return self._on_any(self.sql_warnings)
+        return self._on_any(self.sql_warnings) + unmigrated_warning(
+            self.alias, TABLE, lambda sql: self._on_any(lambda cursor: cursor.execute(sql))
+        )
 
     def check(self) -> list[checks.CheckMessage]:
         if self.database not in connections:
