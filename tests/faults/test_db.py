@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import os
 import signal
@@ -19,7 +20,7 @@ import distlocks
 from distlocks.handler import locks
 from distlocks.owner import current_owner
 from tests.conftest import DB, DB_ALIASES, NATIVE_ALIASES, Holder
-from tests.faults.conftest import behind_proxy
+from tests.faults.conftest import HandshakeOnlyProxy, behind_proxy
 from tests.faults.test_core import until
 from tests.test_lock import in_thread
 
@@ -248,6 +249,23 @@ def test_extend_raises_within_timeout_when_server_hangs(alias, name):
         assert seconds < 5
         # The server answers again: the next statement runs on a new connection.
         lk.release()
+
+
+@pytest.mark.parametrize("alias", ["mariadb", "postgresql", *NATIVE_ALIASES], indirect=True)
+def test_a_new_lock_connection_raises_within_timeout_when_the_server_hangs_after_the_login(alias, name):
+    # The connection's own first statements (Django's time zone, the timeouts set for the locks) are bounded too.
+    vendor = connections[settings.DISTLOCKS[alias]["OPTIONS"]["DATABASE"]].vendor
+    hangs_after_login = functools.partial(HandshakeOnlyProxy, vendor=vendor)
+    with behind_proxy(alias, hangs_after_login):
+        lk = distlocks.lock(name, using="proxied", renew=False)
+        outcome = []
+        attempt = threading.Thread(target=lambda: outcome.append(timed(lambda: lk.acquire(wait=0))), daemon=True)
+        attempt.start()
+        attempt.join(15)
+        assert outcome, "the acquire still hangs"
+        error, seconds = outcome[0]
+        assert isinstance(error, distlocks.BackendUnavailable), error
+        assert seconds < 5
 
 
 # -- 19: names compare byte for byte ---------------------------------------------

@@ -207,11 +207,14 @@ def open_like(base: BaseDatabaseWrapper, alias: str, connect_timeout: float, tim
     if base.vendor in ("mysql", "postgresql"):
         options.setdefault("connect_timeout", connect_timeout)
         settings_dict[_TIMEOUT_KEY] = timeout
-    if base.vendor == "mysql":  # psycopg's: see _bound_lock_waits
+    if base.vendor == "mysql":  # psycopg's: see _answers_bounded
         options.setdefault("read_timeout", client_timeout(timeout))
         options.setdefault("write_timeout", client_timeout(timeout))
     settings_dict["OPTIONS"] = options
-    return type(base)(settings_dict, alias=alias)
+    connection = type(base)(settings_dict, alias=alias)
+    if base.vendor == "postgresql":
+        connection.get_new_connection = _answers_bounded(connection.get_new_connection, timeout)  # type: ignore[method-assign,assignment]
+    return connection
 
 
 def client_timeout(timeout: float) -> int:
@@ -237,10 +240,24 @@ def _bound_lock_waits(sender: object, connection: BaseDatabaseWrapper, **kwargs:
             cursor.execute(
                 "SELECT set_config('lock_timeout', %s, false), set_config('statement_timeout', %s, false)", [ms, ms]
             )
-    raw = connection.connection
-    if connection.vendor == "postgresql" and _wait_takes_timeout(type(raw)):
-        # libpq has no read timeout, but psycopg's wait for an answer takes one.
-        raw.wait = functools.partial(type(raw).wait, raw, timeout=client_timeout(timeout))
+
+
+def _answers_bounded(get_new_connection: Callable[[Any], Any], timeout: float) -> Callable[[Any], Any]:
+    """Bound psycopg's every wait for an answer on the new connection, from its first statement on.
+
+    libpq has no read timeout, but psycopg's wait takes one. Set as the
+    connection is made, before the statements Django runs on it then (the
+    time zone) and ours above: a server that answers the login and then hangs
+    would keep any of them waiting for good.
+    """
+
+    def connect(conn_params: Any) -> Any:
+        raw = get_new_connection(conn_params)
+        if _wait_takes_timeout(type(raw)):
+            raw.wait = functools.partial(type(raw).wait, raw, timeout=client_timeout(timeout))
+        return raw
+
+    return connect
 
 
 def _wait_takes_timeout(connection_class: Any) -> bool:
