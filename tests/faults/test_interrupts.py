@@ -21,6 +21,7 @@ from distlocks.handler import locks
 from tests.conftest import DB, NATIVE_ALIASES, Holder
 from tests.faults import test_zookeeper
 from tests.faults.conftest import free_elsewhere, frozen
+from tests.faults.test_db import table_locked
 from tests.faults.test_native import queued, until
 from tests.faults.test_zookeeper import own_aliases
 
@@ -75,6 +76,35 @@ def test_a_waiter_interrupted_in_the_servers_queue_leaves_the_lock_free(alias, n
         helper.join(30)
     assert holder.error is None
     until(lambda: free_elsewhere(name, alias), seconds=10, what="the lock coming free")
+
+
+def insert_waiting(alias):
+    """Whether a table backend's INSERT of a lock waits for the lock table (see ``table_locked``)."""
+    with connections[alias].cursor() as cursor:
+        if connections[alias].vendor == "mysql":
+            cursor.execute(
+                "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE INFO LIKE 'INSERT INTO `distlocks_lock`%%'"
+            )
+        else:
+            cursor.execute(
+                "SELECT COUNT(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                " AND query LIKE 'INSERT INTO \"distlocks_lock\"%%'"
+            )
+        return cursor.fetchone()[0] > 0
+
+
+@pytest.mark.parametrize("alias", ["mariadb", "postgresql"], indirect=True)
+def test_an_insert_interrupted_while_it_waits_for_the_lock_table_leaves_the_lock_free(alias, name):
+    # The table is let go as the handler runs: the INSERT may take the lock after its caller was told it did not.
+    table = contextlib.ExitStack()
+    table.enter_context(table_locked(alias))
+    with raising_on(signal.SIGALRM):
+        helper = interrupt_main_when(lambda: insert_waiting(alias), then=table.close)
+        with pytest.raises(Interrupted):
+            distlocks.lock(name, using=alias, ttl=60).acquire(wait=0)
+        helper.join(30)
+    table.close()
+    assert free_elsewhere(name, alias), "the lock is held, for its ttl, by an owner told it did not get it"
 
 
 def create_in_flight(alias):

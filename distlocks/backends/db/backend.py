@@ -163,7 +163,10 @@ class DatabaseBackend(QueuedBackend):
                     return None
             return None
 
-        return self._run(attempt, when_busy=None)
+        def undo(connection: BaseDatabaseWrapper) -> None:
+            execute(connection, sql_for(connection).drop_mine, [key, owner.secret])
+
+        return self._run_taking(attempt, undo)
 
     def reenter(self, key: str, owner: Owner, ttl: float) -> bool:
         def attempt(connection: BaseDatabaseWrapper) -> bool:

@@ -15,6 +15,7 @@ import os
 import select
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -276,6 +277,31 @@ def execute(connection: BaseDatabaseWrapper, sql: str, params: list[Any]) -> int
         return int(cursor.rowcount)
 
 
+def session_of(connection: BaseDatabaseWrapper) -> int | None:
+    """The server's id of ``connection``'s session, as the client knows it (None: not connected, or SQLite)."""
+    raw = connection.connection
+    if raw is None or connection.vendor not in ("mysql", "postgresql"):
+        return None
+    return int(raw.thread_id() if connection.vendor == "mysql" else raw.info.backend_pid)
+
+
+def end_session(connection: BaseDatabaseWrapper, session: int, timeout: float) -> None:
+    """End ``session`` and wait, ``timeout`` seconds at most, until it is gone: by then what it ran has
+    committed or rolled back, and nothing it was sent runs any more."""
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute("SELECT pg_terminate_backend(%s, %s)", [session, max(1, round(timeout * 500))])
+            return
+        with contextlib.suppress(DatabaseError):  # gone already
+            cursor.execute(f"KILL CONNECTION {int(session)}")
+        deadline = time.monotonic() + timeout / 2
+        while time.monotonic() < deadline:
+            cursor.execute("SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE ID = %s", [session])
+            if not cursor.fetchone()[0]:
+                return
+            time.sleep(0.01)
+
+
 class _Raise:
     pass
 
@@ -318,6 +344,33 @@ class OwnConnectionBackend(BaseLockBackend):
         # one thread may lock in and out of an event loop (DJANGO_ALLOW_ASYNC_UNSAFE) with this one connection.
         connections[self._connection_alias] = connection
         return self._connection_alias
+
+    def _run_taking(
+        self, operation: Callable[[BaseDatabaseWrapper], T | None], undo: Callable[[BaseDatabaseWrapper], object]
+    ) -> T | None:
+        """``_run(operation, when_busy=None)`` for a statement that may take a lock; ``undo`` deletes what it took.
+
+        Interrupted by anything but the driver (a signal handler raised:
+        Celery's soft time limit, an alarm), the statement may have taken the
+        lock, or still be about to, for an owner who is told it did not: its
+        session is ended (and waited for), then ``undo`` runs on a new one.
+        """
+        using = self._using()
+        try:
+            return self._run(operation, when_busy=None)
+        except (BackendUnavailable, DatabaseError):
+            raise
+        except BaseException:
+            with contextlib.suppress(Exception):
+                connection = connections[using]
+                session = session_of(connection)
+                if using == self._connection_alias:
+                    with contextlib.suppress(Exception):
+                        connection.close()
+                if session is not None:
+                    self._run(lambda other: end_session(other, session, self.timeout))
+                self._run(undo)
+            raise
 
     def _run(self, operation: Callable[[BaseDatabaseWrapper], T], *, when_busy: T | _Raise = RAISE) -> T:
         """Run ``operation(connection)``, mapping driver errors to lock semantics.
