@@ -17,6 +17,7 @@ from django.db import connections
 from django.test import override_settings
 
 import distlocks
+from distlocks.backends.db import voids
 from distlocks.handler import locks
 from distlocks.owner import current_owner
 from tests.conftest import DB, DB_ALIASES, NATIVE_ALIASES, Holder
@@ -248,6 +249,30 @@ def test_extend_raises_within_timeout_when_server_hangs(alias, name):
         assert isinstance(outcome, distlocks.BackendUnavailable), outcome
         assert seconds < 5
         # The server answers again: the next statement runs on a new connection.
+        lk.release()
+
+
+@servers
+def test_an_acquire_whose_answer_was_lost_does_not_keep_the_lock_for_its_ttl(alias, name):
+    # The INSERT waits in the frozen proxy while the client gives up; the server runs it at the thaw.
+    with behind_proxy(alias) as proxy:
+        lk = distlocks.lock(name, using="proxied", ttl=30)
+        assert lk.acquire(wait=0)
+        token = lk.token
+        lk.release()
+        with proxy.frozen():
+            outcome, _ = timed(lambda: lk.acquire(wait=0))
+        assert isinstance(outcome, distlocks.BackendUnavailable), outcome
+        # Another owner gets the lock: a thread of this process voids the lost attempt once the server answers.
+        until(lambda: in_thread(lambda: take(name, alias)), seconds=10)
+        with proxy.frozen():
+            outcome, _ = timed(lambda: lk.acquire(wait=0))
+        assert isinstance(outcome, distlocks.BackendUnavailable), outcome
+        # Its owner's next attempt voids it first, and the void does not come back for the new hold.
+        assert lk.acquire(wait=0)
+        assert lk.token > token
+        time.sleep(2 * voids.RETRY_INTERVAL)  # nothing to poll for: the void thread must not delete it meanwhile
+        assert not in_thread(lambda: take(name, alias))
         lk.release()
 
 

@@ -17,7 +17,7 @@ from django.db.models import QuerySet
 from django.db.models.expressions import RawSQL
 
 from distlocks.backends.base import LockInfo, deadline_after
-from distlocks.backends.db import rw
+from distlocks.backends.db import rw, voids
 from distlocks.backends.db.connections import execute, in_memory, missing_database
 from distlocks.backends.db.notify import batches, channel
 from distlocks.backends.db.queue import POLL_FIRST, POLL_MAX, QueuedBackend, sleep
@@ -166,7 +166,11 @@ class DatabaseBackend(QueuedBackend):
         def undo(connection: BaseDatabaseWrapper) -> None:
             execute(connection, sql_for(connection).drop_mine, [key, owner.secret])
 
-        return self._run_taking(attempt, undo)
+        def lost(session: int) -> None:
+            voids.void(self.database, key, owner.secret, session, (self.connect_timeout, self.timeout))
+
+        voids.settle(self.database, key, owner.secret, self._run)
+        return self._run_taking(attempt, undo, lost)
 
     def reenter(self, key: str, owner: Owner, ttl: float) -> bool:
         def attempt(connection: BaseDatabaseWrapper) -> bool:

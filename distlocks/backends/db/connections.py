@@ -346,7 +346,10 @@ class OwnConnectionBackend(BaseLockBackend):
         return self._connection_alias
 
     def _run_taking(
-        self, operation: Callable[[BaseDatabaseWrapper], T | None], undo: Callable[[BaseDatabaseWrapper], object]
+        self,
+        operation: Callable[[BaseDatabaseWrapper], T | None],
+        undo: Callable[[BaseDatabaseWrapper], object],
+        lost: Callable[[int], object],
     ) -> T | None:
         """``_run(operation, when_busy=None)`` for a statement that may take a lock; ``undo`` deletes what it took.
 
@@ -354,19 +357,31 @@ class OwnConnectionBackend(BaseLockBackend):
         Celery's soft time limit, an alarm), the statement may have taken the
         lock, or still be about to, for an owner who is told it did not: its
         session is ended (and waited for), then ``undo`` runs on a new one.
+        One whose connection failed (``BackendUnavailable``) may run once the
+        server goes on: ``lost(session)`` has it voided then.
         """
         using = self._using()
+        sessions: list[int | None] = []
+
+        def recorded(connection: BaseDatabaseWrapper) -> T | None:
+            connection.ensure_connection()
+            sessions.append(session_of(connection))
+            return operation(connection)
+
         try:
-            return self._run(operation, when_busy=None)
-        except (BackendUnavailable, DatabaseError):
+            return self._run(recorded, when_busy=None)
+        except BackendUnavailable:
+            if sessions and sessions[-1] is not None:
+                lost(sessions[-1])
+            raise
+        except DatabaseError:
             raise
         except BaseException:
             with contextlib.suppress(Exception):
-                connection = connections[using]
-                session = session_of(connection)
                 if using == self._connection_alias:
                     with contextlib.suppress(Exception):
-                        connection.close()
+                        connections[using].close()
+                session = sessions[-1] if sessions else None
                 if session is not None:
                     self._run(lambda other: end_session(other, session, self.timeout))
                 self._run(undo)
