@@ -19,7 +19,7 @@ from django.test import override_settings
 import distlocks
 from distlocks.backends.db import voids
 from distlocks.handler import locks
-from distlocks.owner import current_owner
+from distlocks.owner import acting_as, current_owner, task_owner
 from tests.conftest import DB, DB_ALIASES, NATIVE_ALIASES, Holder
 from tests.faults.conftest import HandshakeOnlyProxy, behind_proxy
 from tests.faults.test_core import until
@@ -274,6 +274,43 @@ def test_an_acquire_whose_answer_was_lost_does_not_keep_the_lock_for_its_ttl(ali
         time.sleep(2 * voids.RETRY_INTERVAL)  # nothing to poll for: the void thread must not delete it meanwhile
         assert not in_thread(lambda: take(name, alias))
         lk.release()
+
+
+@servers
+def test_a_lost_acquire_leaves_the_hold_of_another_copy_of_the_same_task(alias, name):
+    # A Celery task's copies (a retry delivered twice) share the task's secret: a void deletes what the
+    # lost attempt may have inserted, never the other copy's hold.
+    held, done = threading.Event(), threading.Event()
+    released = []
+
+    def other_copy():
+        with acting_as(task_owner("a-task", shared=True)):
+            lk = distlocks.lock(name, using=alias, ttl=30)
+            assert lk.acquire(wait=0)
+            held.set()
+            done.wait(30)
+            try:
+                lk.release()
+                released.append(True)
+            except distlocks.LockError as exc:
+                released.append(exc)
+
+    thread = threading.Thread(target=other_copy)
+    thread.start()
+    try:
+        assert held.wait(30)
+        with behind_proxy(alias) as proxy, acting_as(task_owner("a-task", shared=True)):
+            lk = distlocks.lock(name, using="proxied", ttl=30)
+            assert not lk.acquire(wait=0)  # held by the other copy; and the connection is open
+            with proxy.frozen():
+                outcome, _ = timed(lambda: lk.acquire(wait=0))
+            assert isinstance(outcome, distlocks.BackendUnavailable), outcome
+            until(lambda: not voids._pending, seconds=10)
+        assert not in_thread(lambda: take(name, alias)), "the other copy's hold was deleted"
+    finally:
+        done.set()
+        thread.join(30)
+    assert released == [True]
 
 
 @pytest.mark.parametrize("alias", ["mariadb", "postgresql", *NATIVE_ALIASES], indirect=True)

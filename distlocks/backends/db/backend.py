@@ -7,6 +7,7 @@ connection they run on is ``connections.py``'s, the waiter queue ``queue.py``'s.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
 
 # The place of an attempt not queued: behind every waiter.
 _NOT_QUEUED = 2**63 - 1
+# Seconds by which the server's clock may have stepped back since an attempt began (its row is older by that).
+_CLOCK_SLACK = 1.0
 
 
 class DatabaseSide(ReadWriteSide):
@@ -163,12 +166,18 @@ class DatabaseBackend(QueuedBackend):
                     return None
             return None
 
+        began = time.monotonic()
+
         def undo(connection: BaseDatabaseWrapper) -> None:
-            execute(connection, sql_for(connection).drop_mine, [key, owner.secret])
+            """Delete the row this attempt may have inserted (and none that another attempt did, nor an older one)."""
+            sql = sql_for(connection)
+            since = sql.lease(began - time.monotonic() - _CLOCK_SLACK)
+            execute(connection, sql.drop_attempt, [key, owner.secret, *who, since])
 
         def lost(session: int) -> None:
-            voids.void(self.database, key, owner.secret, session, (self.connect_timeout, self.timeout))
+            voids.void(self.database, key, owner.secret, session, (self.connect_timeout, self.timeout), undo)
 
+        who = [owner.host[:255], owner.pid, owner.thread_label[:255]]
         voids.settle(self.database, key, owner.secret, self._run)
         return self._run_taking(attempt, undo, lost)
 

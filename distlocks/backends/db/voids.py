@@ -24,8 +24,7 @@ from dataclasses import dataclass, field
 from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from distlocks.backends.db.connections import end_session, execute, open_like
-from distlocks.backends.db.statements import sql_for
+from distlocks.backends.db.connections import end_session, open_like
 
 logger = logging.getLogger(__name__)
 
@@ -42,13 +41,14 @@ class _Void:
     secret: str
     session: int
     timeouts: tuple[float, float]  # CONNECT_TIMEOUT, TIMEOUT
+    undo: Callable[[BaseDatabaseWrapper], object]  # deletes the row the attempt inserted, if it did
     since: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)
     done: bool = False
 
     def run(self, connection: BaseDatabaseWrapper) -> None:
         end_session(connection, self.session, self.timeouts[1])
-        execute(connection, sql_for(connection).drop_mine, [self.key, self.secret])
+        self.undo(connection)
 
 
 _pending: dict[tuple[str, str, str], _Void] = {}
@@ -56,10 +56,17 @@ _thread: threading.Thread | None = None
 _started = threading.Lock()
 
 
-def void(database: str, key: str, secret: str, session: int, timeouts: tuple[float, float]) -> None:
+def void(
+    database: str,
+    key: str,
+    secret: str,
+    session: int,
+    timeouts: tuple[float, float],
+    undo: Callable[[BaseDatabaseWrapper], object],
+) -> None:
     """Void, as soon as the server answers, what the ``secret`` owner's attempt at ``key`` in ``session`` took."""
     global _thread
-    _pending[(database, key, secret)] = _Void(database, key, secret, session, timeouts)
+    _pending[(database, key, secret)] = _Void(database, key, secret, session, timeouts, undo)
     with _started:
         if _thread is None or not _thread.is_alive():
             _thread = threading.Thread(target=_void_pending, name="distlocks-db-voids", daemon=True)
