@@ -66,9 +66,9 @@ def void(
 ) -> None:
     """Void, as soon as the server answers, what the ``secret`` owner's attempt at ``key`` in ``session`` took."""
     global _thread
-    _pending[(database, key, secret)] = _Void(database, key, secret, session, timeouts, undo)
     with _started:
-        if _thread is None or not _thread.is_alive():
+        _pending[(database, key, secret)] = _Void(database, key, secret, session, timeouts, undo)
+        if _thread is None:
             _thread = threading.Thread(target=_void_pending, name="distlocks-db-voids", daemon=True)
             _thread.start()
 
@@ -82,31 +82,47 @@ def settle(database: str, key: str, secret: str, run: Callable[[Callable[[BaseDa
         if not pending.done:
             run(pending.run)
             pending.done = True
-    _pending.pop((database, key, secret), None)
+    _forget((database, key, secret), pending)
+
+
+def _forget(where: tuple[str, str, str], pending: _Void) -> None:
+    with _started:
+        if _pending.get(where) is pending:  # not a later attempt's, lost since
+            del _pending[where]
 
 
 def _void_pending() -> None:
-    while _pending:
+    global _thread
+    while True:
+        with _started:
+            if not _pending:
+                _thread = None
+                return
         for where, pending in list(_pending.items()):
             with pending.lock:
                 if not pending.done:
                     pending.done = _try(pending) or time.monotonic() - pending.since > GIVE_UP
             if pending.done:
-                _pending.pop(where, None)
+                _forget(where, pending)
         time.sleep(RETRY_INTERVAL)
 
 
 def _try(pending: _Void) -> bool:
-    connection = open_like(connections[pending.database], "distlocks:void", *pending.timeouts)
+    """Void ``pending``; True once done (or its database is no longer configured: nothing to void it on)."""
+    if pending.database not in connections.settings:
+        return True
+    connection = None
     try:
+        connection = open_like(connections[pending.database], "distlocks:void", *pending.timeouts)
         pending.run(connection)
         return True
     except Exception as exc:
         logger.debug("Could not void a lost acquire of %r yet: %s", pending.key, exc)
         return False
     finally:
-        with contextlib.suppress(Exception):
-            connection.close()
+        if connection is not None:
+            with contextlib.suppress(Exception):
+                connection.close()
 
 
 def _forget_after_fork() -> None:
