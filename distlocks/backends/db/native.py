@@ -383,6 +383,10 @@ class NativeLockBackend(BaseLockBackend):
     def extend(self, key: str, owner: Owner, ttl: float) -> bool:
         return self._on_any(lambda c: self.sql_renew(c, key, owner.secret, ttl, 0))
 
+    def session_ended(self, key: str, owner: Owner) -> bool:
+        hold = _holding.get((self.alias, key, owner.secret))
+        return hold is not None and hold.connection.connection is None  # closed by _run: the server's lock is gone
+
     def drop(self, key: str, owner: Owner) -> bool:
         """Free ``owner``'s hold of ``key`` by closing its session (from any thread of the process)."""
         with _holding_lock:
