@@ -136,7 +136,12 @@ class MySQLLockBackend(NativeLockBackend):
             f" AND n.expires_at <= {_NOW} AND {_HOLDING}",
             [key, session],
         )
-        if cursor.fetchone() is not None:
+        found = cursor.fetchone()
+        if found is None:  # or it holds the lock idle on no lease (see sql_unleased)
+            name = self.server_key(key)
+            cursor.execute(f"SELECT p.ID {_UNLEASED} AND p.ID = %s", [name, name, session])
+            found = cursor.fetchone()
+        if found is not None:
             self._kill(cursor, session)
 
     def sql_unleased(self, cursor: Any, key: str) -> tuple[float, int] | None:
@@ -144,12 +149,6 @@ class MySQLLockBackend(NativeLockBackend):
         cursor.execute(f"SELECT %s - p.TIME, p.ID {_UNLEASED}", [self.timeout, name, name])
         row = cursor.fetchone()
         return None if row is None else (float(row[0]), int(row[1]))
-
-    def sql_end_unleased(self, cursor: Any, key: str, session: int) -> None:
-        name = self.server_key(key)
-        cursor.execute(f"SELECT p.ID {_UNLEASED} AND p.ID = %s", [name, name, session])
-        if cursor.fetchone() is not None:
-            self._kill(cursor, session)
 
     def sql_renew(self, cursor: Any, key: str, secret: str, ttl: float | None, more: int) -> bool:
         expiry = "" if ttl is None else f"n.expires_at = {_LATER}, "

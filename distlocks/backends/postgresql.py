@@ -223,6 +223,11 @@ class AdvisoryLockBackend(NativeLockBackend):
 
     def sql_end_session(self, cursor: Any, key: str, session: int) -> None:
         cursor.execute(_END_EXPIRED, [self._ms(), key, session])
+        if cursor.fetchone() is None:  # or it holds the lock idle on no lease (see sql_unleased)
+            cursor.execute(
+                f"SELECT pg_terminate_backend(a.pid, %s) FROM pg_locks l, pg_stat_activity a WHERE a.pid = %s AND {_UNLEASED}",
+                [self._ms(), session, advisory_key(key), advisory_key(key), self.server_key(key)],
+            )
 
     def sql_unleased(self, cursor: Any, key: str) -> tuple[float, int] | None:
         cursor.execute(
@@ -232,12 +237,6 @@ class AdvisoryLockBackend(NativeLockBackend):
         )
         row = cursor.fetchone()
         return None if row is None else (float(row[0]), int(row[1]))
-
-    def sql_end_unleased(self, cursor: Any, key: str, session: int) -> None:
-        cursor.execute(
-            f"SELECT pg_terminate_backend(a.pid, %s) FROM pg_locks l, pg_stat_activity a WHERE a.pid = %s AND {_UNLEASED}",
-            [self._ms(), session, advisory_key(key), advisory_key(key), self.server_key(key)],
-        )
 
     def sql_renew(self, cursor: Any, key: str, secret: str, ttl: float | None, more: int) -> bool:
         expiry = "" if ttl is None else f"expires_at = {_LATER}, "

@@ -158,16 +158,12 @@ class NativeLockBackend(BaseLockBackend):
         raise NotImplementedError
 
     def sql_end_session(self, cursor: Any, key: str, session: int) -> None:
-        """End ``session`` if it still holds ``key``'s server lock on an expired lease (its server locks are freed)."""
+        """End ``session`` if it holds ``key``'s server lock on an expired lease, or idle on none (its locks are freed)."""
         raise NotImplementedError
 
     def sql_unleased(self, cursor: Any, key: str) -> tuple[float, int] | None:
         """The session idle holding ``key``'s server lock with no lease naming it (a waiter the server handed the
         lock to, which has yet to write its lease), and the seconds left of its ``TIMEOUT`` to write it; else None."""
-        raise NotImplementedError
-
-    def sql_end_unleased(self, cursor: Any, key: str, session: int) -> None:
-        """End ``session`` if it still holds ``key``'s server lock, idle, with no lease naming it."""
         raise NotImplementedError
 
     def sql_renew(self, cursor: Any, key: str, secret: str, ttl: float | None, more: int) -> bool:
@@ -266,9 +262,7 @@ class NativeLockBackend(BaseLockBackend):
             self._put(connection)  # closed: it connects again when next used
             if won is None and not isinstance(exc, Deadlocked):
                 raise
-            # Not acquired, and the core tries again: a deadlock's victim, or a waiter whose session
-            # was ended before it wrote its lease (it hung that long), or is gone (the next wait tells).
-            return None
+            return None  # not acquired (the core tries again): a deadlock's victim, or ended before its lease write
         except BaseException:
             self._put(connection)  # closed: it connects again when next used
             raise
@@ -284,17 +278,14 @@ class NativeLockBackend(BaseLockBackend):
         if token is not None:
             return token
         holder = self._run(connection, lambda c: self.sql_holder(c, key))
-        end = self.sql_end_session
-        if holder is None:
-            # No lease names the holding session: a waiter that the server handed the lock to writes its lease
-            # next, unless it hangs (a frozen process) before it could; then it counts as a lease of TIMEOUT.
-            holder, end = self._run(connection, lambda c: self.sql_unleased(c, key)), self.sql_end_unleased
+        if holder is None:  # no lease names the holding session (a waiter handed the lock): see sql_unleased
+            holder = self._run(connection, lambda c: self.sql_unleased(c, key))
         self._lease_left[key] = None if holder is None else holder[0]
         if holder is None or holder[0] > 0:
             return None
         # The lease ran out while its session still holds the server's lock (hung,
         # or not renewed): end that session, and take the lock once the server frees it.
-        self._run(connection, lambda c: end(c, key, holder[1]))
+        self._run(connection, lambda c: self.sql_end_session(c, key, holder[1]))
         if not self._block(connection, key, min(TAKEOVER_WAIT, self.timeout)):
             return None
         return self._run(connection, lambda c: self.sql_write(c, key, owner, ttl))
