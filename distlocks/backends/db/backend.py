@@ -175,11 +175,11 @@ class DatabaseBackend(QueuedBackend):
             execute(connection, sql.drop_attempt, [key, owner.secret, *who, since])
 
         def lost(session: int) -> None:
-            voids.void(self.database, key, owner.secret, session, (self.connect_timeout, self.timeout), undo)
+            voids.void(self.database, key, owner.secret, session, began, (self.connect_timeout, self.timeout), undo)
 
         who = [owner.host[:255], owner.pid, owner.thread_label[:255]]
         voids.settle(self.database, key, owner.secret, self._run)
-        return self._run_taking(attempt, undo, lost)
+        return self._run_taking(attempt, undo, lost, began)
 
     def reenter(self, key: str, owner: Owner, ttl: float) -> bool:
         def attempt(connection: BaseDatabaseWrapper) -> bool:

@@ -285,12 +285,25 @@ def session_of(connection: BaseDatabaseWrapper) -> int | None:
     return int(raw.thread_id() if connection.vendor == "mysql" else raw.info.backend_pid)
 
 
-def end_session(connection: BaseDatabaseWrapper, session: int, timeout: float) -> None:
-    """End ``session`` and wait, ``timeout`` seconds at most, until it is gone: by then what it ran has
-    committed or rolled back, and nothing it was sent runs any more."""
+def end_session(connection: BaseDatabaseWrapper, session: int, began: float, timeout: float) -> None:
+    """End ``session``, used since ``began`` (monotonic), and wait ``timeout`` seconds at most until it is gone:
+    by then what it ran has committed or rolled back, and nothing it was sent runs any more.
+
+    Not a session the server gave the same id since (a PostgreSQL pid used
+    again, any MySQL id after a restart): one that began after ``began``
+    (give or take a second) is not it.
+    """
+    age = time.monotonic() - began - 1.0
     with connection.cursor() as cursor:
         if connection.vendor == "postgresql":
-            cursor.execute("SELECT pg_terminate_backend(%s, %s)", [session, max(1, round(timeout * 500))])
+            cursor.execute(
+                "SELECT pg_terminate_backend(pid, %s) FROM pg_stat_activity WHERE pid = %s"
+                " AND backend_start <= STATEMENT_TIMESTAMP() - %s * INTERVAL '1 microsecond'",
+                [max(1, round(timeout * 500)), session, round(age * 1_000_000)],
+            )
+            return
+        cursor.execute("SHOW GLOBAL STATUS LIKE 'Uptime'")
+        if float(cursor.fetchone()[1]) < age:  # restarted since: the session is gone, and its id may be another's
             return
         with contextlib.suppress(DatabaseError):  # gone already
             cursor.execute(f"KILL CONNECTION {int(session)}")
@@ -350,8 +363,10 @@ class OwnConnectionBackend(BaseLockBackend):
         operation: Callable[[BaseDatabaseWrapper], T | None],
         undo: Callable[[BaseDatabaseWrapper], object],
         lost: Callable[[int], object],
+        began: float,
     ) -> T | None:
-        """``_run(operation, when_busy=None)`` for a statement that may take a lock; ``undo`` deletes what it took.
+        """``_run(operation, when_busy=None)`` for a statement that may take a lock, begun at ``began`` (monotonic);
+        ``undo`` deletes what it took.
 
         Interrupted by anything but the driver (a signal handler raised:
         Celery's soft time limit, an alarm), the statement may have taken the
@@ -383,7 +398,7 @@ class OwnConnectionBackend(BaseLockBackend):
                         connections[using].close()
                 session = sessions[-1] if sessions else None
                 if session is not None:
-                    self._run(lambda other: end_session(other, session, self.timeout))
+                    self._run(lambda other: end_session(other, session, began, self.timeout))
                 self._run(undo)
             raise
 

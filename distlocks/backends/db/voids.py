@@ -40,6 +40,7 @@ class _Void:
     key: str
     secret: str
     session: int
+    began: float  # the attempt's start (monotonic)
     timeouts: tuple[float, float]  # CONNECT_TIMEOUT, TIMEOUT
     undo: Callable[[BaseDatabaseWrapper], object]  # deletes the row the attempt inserted, if it did
     since: float = field(default_factory=time.monotonic)
@@ -47,7 +48,7 @@ class _Void:
     done: bool = False
 
     def run(self, connection: BaseDatabaseWrapper) -> None:
-        end_session(connection, self.session, self.timeouts[1])
+        end_session(connection, self.session, self.began, self.timeouts[1])
         self.undo(connection)
 
 
@@ -61,13 +62,14 @@ def void(
     key: str,
     secret: str,
     session: int,
+    began: float,
     timeouts: tuple[float, float],
     undo: Callable[[BaseDatabaseWrapper], object],
 ) -> None:
     """Void, as soon as the server answers, what the ``secret`` owner's attempt at ``key`` in ``session`` took."""
     global _thread
     with _started:
-        _pending[(database, key, secret)] = _Void(database, key, secret, session, timeouts, undo)
+        _pending[(database, key, secret)] = _Void(database, key, secret, session, began, timeouts, undo)
         if _thread is None:
             _thread = threading.Thread(target=_void_pending, name="distlocks-db-voids", daemon=True)
             _thread.start()
