@@ -272,10 +272,12 @@ class DistributedLock(LockAPI):
             raise self._error(LockLost, "was lost while held")
         started = time.monotonic()
         ttl = max(self.ttl, hold.ttl)  # another lock object's shorter ttl must not cut the outer lease
+        backend = hold.backend_here()
         try:
-            still_held = yield hold.backend_here(), "reenter", (self.key, hold.owner, ttl)
+            still_held = yield backend, "reenter", (self.key, hold.owner, ttl)
         except Exception:
             hold.uncounted += 1  # the server may have counted it
+            self._lost_with_session(hold, backend)
             raise
         if not still_held:
             self._lost(hold, "its lease was gone at re-entry")
@@ -347,9 +349,16 @@ class DistributedLock(LockAPI):
             still_held = yield backend, "release", (self.key, hold.owner)
         except Exception:
             hold.uncounted += 1  # the server may still count it: the last release makes sure
+            self._lost_with_session(hold, backend)
             raise
         if not still_held:
             self._lost(hold, "its lease was gone at release")
+
+    def _lost_with_session(self, hold: Hold, backend: BaseLockBackend) -> None:
+        """After a call about ``hold`` failed: if the failure ended its session (a session-bound backend's, whose
+        call was interrupted), the lock is free now, and the holder is told now, not at the next renewal."""
+        if backend.session_bound and backend.session_ended(self.key, hold.owner):
+            watchdog().lose(hold, "its session was ended by a failed call", watched_only=False)
 
     def _lost(self, hold: Hold, why: str) -> NoReturn:
         """The holding thread found its hold lost: tell ``lock_lost`` (unless told already) and raise LockLost."""

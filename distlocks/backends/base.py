@@ -319,6 +319,15 @@ class BaseLockBackend:
         """Yield the locks held right now (for the admin and the commands)."""
         raise NotImplementedError("subclasses of BaseLockBackend may provide a held() method")
 
+    def session_ended(self, key: str, owner: Owner) -> bool:
+        """Whether ``owner``'s hold of ``key`` is known, in this process, to have ended with its session.
+
+        A session-bound backend ends the session of a call that failed halfway
+        (it may have taken or kept the server's lock): the hold went with it.
+        False when not known (a lease backend's hold lives on the server).
+        """
+        return False
+
     def drop(self, key: str, owner: Owner) -> bool:
         """Free ``owner``'s hold of ``key`` whatever its count, without blocking; False if it had none here.
 

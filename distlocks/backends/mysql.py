@@ -52,6 +52,11 @@ _RENEW = (
     f"UPDATE {TABLE} n SET {{expiry}}n.hold_count = n.hold_count + %s"
     f" WHERE n.lock_name = %s AND n.owner_secret = %s AND n.expires_at > {_NOW} AND {_HOLDING}"
 )
+# The session idle holding the lock (the first parameter: its server name) with no lease naming it.
+_UNLEASED = (
+    "FROM information_schema.PROCESSLIST p WHERE p.ID = IS_USED_LOCK(%s) AND p.COMMAND = 'Sleep'"
+    f" AND NOT EXISTS (SELECT 1 FROM {TABLE} n WHERE n.lock_key = %s AND n.session = p.ID)"
+)
 _UNKNOWN_THREAD = 1094  # KILL of a session that ended meanwhile
 
 
@@ -131,8 +136,19 @@ class MySQLLockBackend(NativeLockBackend):
             f" AND n.expires_at <= {_NOW} AND {_HOLDING}",
             [key, session],
         )
-        if cursor.fetchone() is not None:
+        found = cursor.fetchone()
+        if found is None:  # or it holds the lock idle on no lease (see sql_unleased)
+            name = self.server_key(key)
+            cursor.execute(f"SELECT p.ID {_UNLEASED} AND p.ID = %s", [name, name, session])
+            found = cursor.fetchone()
+        if found is not None:
             self._kill(cursor, session)
+
+    def sql_unleased(self, cursor: Any, key: str) -> tuple[float, int] | None:
+        name = self.server_key(key)
+        cursor.execute(f"SELECT %s - p.TIME, p.ID {_UNLEASED}", [self.timeout, name, name])
+        row = cursor.fetchone()
+        return None if row is None else (float(row[0]), int(row[1]))
 
     def sql_renew(self, cursor: Any, key: str, secret: str, ttl: float | None, more: int) -> bool:
         expiry = "" if ttl is None else f"n.expires_at = {_LATER}, "

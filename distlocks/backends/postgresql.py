@@ -118,6 +118,13 @@ _END_EXPIRED = (
     f"SELECT pg_terminate_backend(n.session::int, %s) FROM {TABLE} n"
     f" WHERE n.lock_name = %s AND n.session = %s AND n.expires_at <= {_NOW} AND {_HELD_BY_SESSION}"
 )
+# The session idle holding the advisory lock (alias l) with no lease naming it (the first parameter: the lock_key).
+_UNLEASED = (
+    "l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted AND a.pid = l.pid AND a.state = 'idle'"
+    " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+    " AND l.classid::bigint = ((%s::bigint >> 32) & 4294967295) AND l.objid::bigint = (%s::bigint & 4294967295)"
+    f" AND NOT EXISTS (SELECT 1 FROM {TABLE} n WHERE n.lock_key = %s AND n.session = l.pid)"
+)
 _RENEW = (
     f"UPDATE {TABLE} n SET {{expiry}}hold_count = n.hold_count + %s"
     f" WHERE n.lock_name = %s AND n.owner_secret = %s AND n.expires_at > {_NOW} AND {_HELD_BY_SESSION}"
@@ -216,6 +223,20 @@ class AdvisoryLockBackend(NativeLockBackend):
 
     def sql_end_session(self, cursor: Any, key: str, session: int) -> None:
         cursor.execute(_END_EXPIRED, [self._ms(), key, session])
+        if cursor.fetchone() is None:  # or it holds the lock idle on no lease (see sql_unleased)
+            cursor.execute(
+                f"SELECT pg_terminate_backend(a.pid, %s) FROM pg_locks l, pg_stat_activity a WHERE a.pid = %s AND {_UNLEASED}",
+                [self._ms(), session, advisory_key(key), advisory_key(key), self.server_key(key)],
+            )
+
+    def sql_unleased(self, cursor: Any, key: str) -> tuple[float, int] | None:
+        cursor.execute(
+            f"SELECT %s - EXTRACT(EPOCH FROM {_NOW} - a.state_change), a.pid"
+            f" FROM pg_locks l, pg_stat_activity a WHERE {_UNLEASED}",
+            [self.timeout, advisory_key(key), advisory_key(key), self.server_key(key)],
+        )
+        row = cursor.fetchone()
+        return None if row is None else (float(row[0]), int(row[1]))
 
     def sql_renew(self, cursor: Any, key: str, secret: str, ttl: float | None, more: int) -> bool:
         expiry = "" if ttl is None else f"expires_at = {_LATER}, "

@@ -312,16 +312,43 @@ def own_postgresql():
         shutil.rmtree(directory, ignore_errors=True)
 
 
+class HandshakeOnlyProxy(FreezableProxy):
+    """A proxy that lets each connection's login through, then drops all it carries from the client's first
+    statement on: a server that answers the login and then hangs (or a firewall that dropped the connection)."""
+
+    def __init__(self, port, vendor):
+        self.vendor = vendor
+        super().__init__(port)
+
+    def _pipe(self, source, sink):
+        if source not in self.sockets[1::2]:  # from the server
+            super()._pipe(source, sink)
+            return
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                if self._is_statement(data):
+                    self.stuck.add(source)
+                if source not in self.stuck:
+                    sink.sendall(data)
+
+    def _is_statement(self, data):
+        """PostgreSQL's login messages begin with their length (a 0 byte), its statements with their type (Q,
+        P...); MySQL's are packets numbered 1 and up, a statement's packet is number 0."""
+        if self.vendor == "postgresql":
+            return data[0] != 0
+        return len(data) > 3 and data[3] == 0
+
+
 @contextlib.contextmanager
-def behind_proxy(alias):
-    """Yield a FreezableProxy to the database of lock ``alias``, and lock alias "proxied" (TIMEOUT 1 s) through it.
+def behind_proxy(alias, proxy_class=FreezableProxy):
+    """Yield a ``proxy_class`` to the database of lock ``alias``, and lock alias "proxied" (TIMEOUT 1 s) through it.
 
     On the way out the Django connection "proxied" is forgotten too: a later
     use of the name must not reach this proxy's closed port.
     """
     database = settings.DISTLOCKS[alias].get("OPTIONS", {}).get("DATABASE", "default")
     database_settings = dict(connections[database].settings_dict)
-    proxy = FreezableProxy(int(database_settings["PORT"]))
+    proxy = proxy_class(int(database_settings["PORT"]))
     connections.settings["proxied"] = {**database_settings, "HOST": "127.0.0.1", "PORT": str(proxy.port)}
     proxied = {"BACKEND": settings.DISTLOCKS[alias]["BACKEND"], "OPTIONS": {"DATABASE": "proxied", "TIMEOUT": 1}}
     try:

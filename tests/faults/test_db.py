@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import os
 import signal
@@ -16,10 +17,11 @@ from django.db import connections
 from django.test import override_settings
 
 import distlocks
+from distlocks.backends.db import voids
 from distlocks.handler import locks
-from distlocks.owner import current_owner
+from distlocks.owner import acting_as, current_owner, task_owner
 from tests.conftest import DB, DB_ALIASES, NATIVE_ALIASES, Holder
-from tests.faults.conftest import behind_proxy
+from tests.faults.conftest import HandshakeOnlyProxy, behind_proxy
 from tests.faults.test_core import until
 from tests.test_lock import in_thread
 
@@ -248,6 +250,84 @@ def test_extend_raises_within_timeout_when_server_hangs(alias, name):
         assert seconds < 5
         # The server answers again: the next statement runs on a new connection.
         lk.release()
+
+
+@servers
+def test_an_acquire_whose_answer_was_lost_does_not_keep_the_lock_for_its_ttl(alias, name):
+    # The INSERT waits in the frozen proxy while the client gives up; the server runs it at the thaw.
+    with behind_proxy(alias) as proxy:
+        lk = distlocks.lock(name, using="proxied", ttl=30)
+        assert lk.acquire(wait=0)
+        token = lk.token
+        lk.release()
+        with proxy.frozen():
+            outcome, _ = timed(lambda: lk.acquire(wait=0))
+        assert isinstance(outcome, distlocks.BackendUnavailable), outcome
+        # Another owner gets the lock: a thread of this process voids the lost attempt once the server answers.
+        until(lambda: in_thread(lambda: take(name, alias)), seconds=10)
+        with proxy.frozen():
+            outcome, _ = timed(lambda: lk.acquire(wait=0))
+        assert isinstance(outcome, distlocks.BackendUnavailable), outcome
+        # Its owner's next attempt voids it first, and the void does not come back for the new hold.
+        assert lk.acquire(wait=0)
+        assert lk.token > token
+        time.sleep(2 * voids.RETRY_INTERVAL)  # nothing to poll for: the void thread must not delete it meanwhile
+        assert not in_thread(lambda: take(name, alias))
+        lk.release()
+
+
+@servers
+def test_a_lost_acquire_leaves_the_hold_of_another_copy_of_the_same_task(alias, name):
+    # A Celery task's copies (a retry delivered twice) share the task's secret: a void deletes what the
+    # lost attempt may have inserted, never the other copy's hold.
+    held, done = threading.Event(), threading.Event()
+    released = []
+
+    def other_copy():
+        with acting_as(task_owner("a-task", shared=True)):
+            lk = distlocks.lock(name, using=alias, ttl=30)
+            assert lk.acquire(wait=0)
+            held.set()
+            done.wait(30)
+            try:
+                lk.release()
+                released.append(True)
+            except distlocks.LockError as exc:
+                released.append(exc)
+
+    thread = threading.Thread(target=other_copy)
+    thread.start()
+    try:
+        assert held.wait(30)
+        with behind_proxy(alias) as proxy, acting_as(task_owner("a-task", shared=True)):
+            lk = distlocks.lock(name, using="proxied", ttl=30)
+            assert not lk.acquire(wait=0)  # held by the other copy; and the connection is open
+            with proxy.frozen():
+                outcome, _ = timed(lambda: lk.acquire(wait=0))
+            assert isinstance(outcome, distlocks.BackendUnavailable), outcome
+            until(lambda: not voids._pending, seconds=10)
+        assert not in_thread(lambda: take(name, alias)), "the other copy's hold was deleted"
+    finally:
+        done.set()
+        thread.join(30)
+    assert released == [True]
+
+
+@pytest.mark.parametrize("alias", ["mariadb", "postgresql", *NATIVE_ALIASES], indirect=True)
+def test_a_new_lock_connection_raises_within_timeout_when_the_server_hangs_after_the_login(alias, name):
+    # The connection's own first statements (Django's time zone, the timeouts set for the locks) are bounded too.
+    vendor = connections[settings.DISTLOCKS[alias]["OPTIONS"]["DATABASE"]].vendor
+    hangs_after_login = functools.partial(HandshakeOnlyProxy, vendor=vendor)
+    with behind_proxy(alias, hangs_after_login):
+        lk = distlocks.lock(name, using="proxied", renew=False)
+        outcome = []
+        attempt = threading.Thread(target=lambda: outcome.append(timed(lambda: lk.acquire(wait=0))), daemon=True)
+        attempt.start()
+        attempt.join(15)
+        assert outcome, "the acquire still hangs"
+        error, seconds = outcome[0]
+        assert isinstance(error, distlocks.BackendUnavailable), error
+        assert seconds < 5
 
 
 # -- 19: names compare byte for byte ---------------------------------------------

@@ -12,15 +12,18 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+import time
 
 import pytest
 from django.db import connections
 
 import distlocks
 from distlocks.handler import locks
+from distlocks.signals import lock_lost
 from tests.conftest import DB, NATIVE_ALIASES, Holder
 from tests.faults import test_zookeeper
-from tests.faults.conftest import free_elsewhere, frozen
+from tests.faults.conftest import behind_proxy, free_elsewhere, frozen
+from tests.faults.test_db import table_locked
 from tests.faults.test_native import queued, until
 from tests.faults.test_zookeeper import own_aliases
 
@@ -75,6 +78,69 @@ def test_a_waiter_interrupted_in_the_servers_queue_leaves_the_lock_free(alias, n
         helper.join(30)
     assert holder.error is None
     until(lambda: free_elsewhere(name, alias), seconds=10, what="the lock coming free")
+
+
+@pytest.mark.parametrize("alias", NATIVE_ALIASES, indirect=True)
+def test_a_holder_whose_reentry_is_interrupted_is_told_at_once_that_the_lock_is_lost(alias, name):
+    # The re-entry's statement waits in the frozen proxy; interrupted, its session is ended (the server's
+    # lock with it): another owner can take the lock, so the holder must know now, not at its next renewal.
+    lost = []
+
+    def on_lost(sender, name, alias, token, **kwargs):
+        lost.append(token)
+
+    lock_lost.connect(on_lost)
+    try:
+        with behind_proxy(alias) as proxy:
+            if connections["proxied"].vendor == "mysql":  # what Django asks the server once: it is the same one
+                connections["proxied"].__dict__["mysql_server_data"] = connections["mariadb"].mysql_server_data
+            lk = distlocks.lock(name, using="proxied", ttl=30)
+            assert lk.acquire(wait=0)
+            token = lk.token
+            sent = []
+            with raising_on(signal.SIGALRM), proxy.frozen():
+                helper = interrupt_main_when(lambda: sent and time.monotonic() - sent[0] > 0.2)
+                sent.append(time.monotonic())
+                with pytest.raises(Interrupted):
+                    lk.acquire(wait=0)
+                helper.join(30)
+            assert lk.lost, "the holder goes on as if it held the lock"
+            until(lambda: free_elsewhere(name, alias), seconds=10, what="another owner taking the lock")
+            until(lambda: lost == [token], seconds=5, what="lock_lost")
+            assert lk.hold_count == 1
+            with pytest.raises(distlocks.LockLost):
+                lk.release()
+    finally:
+        lock_lost.disconnect(on_lost)
+
+
+def insert_waiting(alias):
+    """Whether a table backend's INSERT of a lock waits for the lock table (see ``table_locked``)."""
+    with connections[alias].cursor() as cursor:
+        if connections[alias].vendor == "mysql":
+            cursor.execute(
+                "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE INFO LIKE 'INSERT INTO `distlocks_lock`%%'"
+            )
+        else:
+            cursor.execute(
+                "SELECT COUNT(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                " AND query LIKE 'INSERT INTO \"distlocks_lock\"%%'"
+            )
+        return cursor.fetchone()[0] > 0
+
+
+@pytest.mark.parametrize("alias", ["mariadb", "postgresql"], indirect=True)
+def test_an_insert_interrupted_while_it_waits_for_the_lock_table_leaves_the_lock_free(alias, name):
+    # The table is let go as the handler runs: the INSERT may take the lock after its caller was told it did not.
+    table = contextlib.ExitStack()
+    table.enter_context(table_locked(alias))
+    with raising_on(signal.SIGALRM):
+        helper = interrupt_main_when(lambda: insert_waiting(alias), then=table.close)
+        with pytest.raises(Interrupted):
+            distlocks.lock(name, using=alias, ttl=60).acquire(wait=0)
+        helper.join(30)
+    table.close()
+    assert free_elsewhere(name, alias), "the lock is held, for its ttl, by an owner told it did not get it"
 
 
 def create_in_flight(alias):

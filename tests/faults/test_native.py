@@ -100,6 +100,32 @@ def test_frozen_holder_loses_the_lock_after_its_ttl_and_is_told_on_waking(alias,
 
 
 @native
+def test_a_waiter_frozen_when_the_server_hands_it_the_lock_loses_it_after_the_timeout(alias, name, workers):
+    # The server hands the lock to the stopped waiter's session, which cannot write the lease that others
+    # would end it by: it held the lock for as long as it stayed stopped.
+    holder = Holder(name, alias)
+    waiter = workers("hold", alias, name, 30)
+    until(lambda: queued(alias, name) == 1, what="the waiter queueing")
+    os.kill(waiter.process.pid, signal.SIGSTOP)
+    try:
+        assert holder.release() is None
+        released = time.monotonic()
+        lk = distlocks.lock(name, using=alias, wait=20)
+        assert lk.acquire(), "the stopped waiter keeps the lock it was handed"
+        took = time.monotonic() - released
+        assert took < locks[alias].timeout + 3, took
+        token = lk.token
+        assert token > holder.token
+    finally:
+        os.kill(waiter.process.pid, signal.SIGCONT)
+    lk.release()
+    # Resumed, the waiter finds its session ended: it was not given the lock, and waits on for it.
+    answer = waiter.line()
+    assert answer[0] == "acquired"
+    assert int(answer[1]) > token
+
+
+@native
 def test_holder_is_told_when_its_database_session_is_killed(alias, name):
     lost = []
 

@@ -32,14 +32,15 @@ connection is closed and ``BackendUnavailable`` raised. (SQLite waits for as lon
 option says.) A session the server ended while the connection was idle
 (``KILL``, ``pg_terminate_backend``; ``wait_timeout`` or a restart close it the
 same way) is reopened before the next statement, which succeeds; one that dies
-during a statement raises ``BackendUnavailable`` (a lock the statement may have
-taken expires after its ``ttl``). A forked child never closes, nor talks on, its
+during a statement raises ``BackendUnavailable`` (a lock the acquire may have
+taken is voided once the server answers: ``voids``). A forked child never closes, nor talks on, its
 parent's lock connections.
 """
 
 from __future__ import annotations
 
 from distlocks.backends.db.backend import DatabaseBackend
-from distlocks.backends.db.connections import DEFAULT_TIMEOUT, close_connections
+from distlocks.backends.db.config import DEFAULT_TIMEOUT
+from distlocks.backends.db.connections import close_connections
 
 __all__ = ["DEFAULT_TIMEOUT", "DatabaseBackend", "close_connections"]

@@ -7,6 +7,7 @@ connection they run on is ``connections.py``'s, the waiter queue ``queue.py``'s.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -17,14 +18,9 @@ from django.db.models import QuerySet
 from django.db.models.expressions import RawSQL
 
 from distlocks.backends.base import LockInfo, deadline_after
-from distlocks.backends.db import rw
-from distlocks.backends.db.connections import (
-    database_address,
-    execute,
-    in_memory,
-    missing_database,
-    unmigrated_warning,
-)
+from distlocks.backends.db import rw, voids
+from distlocks.backends.db.config import database_address, missing_database, unmigrated_warning
+from distlocks.backends.db.connections import execute, in_memory
 from distlocks.backends.db.notify import batches, channel
 from distlocks.backends.db.queue import POLL_FIRST, POLL_MAX, QueuedBackend, sleep
 from distlocks.backends.db.statements import sql_for
@@ -36,6 +32,8 @@ if TYPE_CHECKING:
 
 # The place of an attempt not queued: behind every waiter.
 _NOT_QUEUED = 2**63 - 1
+# Seconds by which the server's clock may have stepped back since an attempt began (its row is older by that).
+_CLOCK_SLACK = 1.0
 
 
 class DatabaseSide(ReadWriteSide):
@@ -169,7 +167,20 @@ class DatabaseBackend(QueuedBackend):
                     return None
             return None
 
-        return self._run(attempt, when_busy=None)
+        began = time.monotonic()
+
+        def undo(connection: BaseDatabaseWrapper) -> None:
+            """Delete the row this attempt may have inserted (and none that another attempt did, nor an older one)."""
+            sql = sql_for(connection)
+            since = sql.lease(began - time.monotonic() - _CLOCK_SLACK)
+            execute(connection, sql.drop_attempt, [key, owner.secret, *who, since])
+
+        def lost(session: int) -> None:
+            voids.void(self.database, key, owner.secret, session, began, (self.connect_timeout, self.timeout), undo)
+
+        who = [owner.host[:255], owner.pid, owner.thread_label[:255]]
+        voids.settle(self.database, key, owner.secret, self._run)
+        return self._run_taking(attempt, undo, lost, began)
 
     def reenter(self, key: str, owner: Owner, ttl: float) -> bool:
         def attempt(connection: BaseDatabaseWrapper) -> bool:

@@ -15,24 +15,29 @@ import os
 import select
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from django.core import checks
-from django.core.exceptions import ImproperlyConfigured
-from django.db import DEFAULT_DB_ALIAS, DatabaseError, OperationalError, connections
+from django.db import DatabaseError, OperationalError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.signals import connection_created
 from django.db.utils import InterfaceError
-from django.utils.connection import ConnectionDoesNotExist
 
-from distlocks.backends.base import BaseLockBackend, check_positive_number
+from distlocks.backends.base import BaseLockBackend
+from distlocks.backends.db.config import (
+    CONNECTION_OPTIONS,
+    LOCATION_INSTEAD,
+    Unmigrated,
+    connection_options,
+    database_of,
+    missing_table,
+    unavailable,
+    unmigrated,
+)
 from distlocks.exceptions import BackendUnavailable
 
 T = TypeVar("T")
-
-#: How long a lock statement may run by default (``OPTIONS['TIMEOUT']``), in seconds.
-DEFAULT_TIMEOUT = 5.0
 
 # Where a lock connection's settings carry its TIMEOUT, for ``_bound_lock_waits``.
 _TIMEOUT_KEY = "DISTLOCKS_TIMEOUT"
@@ -76,95 +81,6 @@ def _timed_out(exc: Exception | None) -> bool:
     if getattr(exc.__cause__, "sqlstate", None) in _POSTGRES_TIMED_OUT:
         return True
     return bool(exc.args and exc.args[0] in _MYSQL_TIMED_OUT)
-
-
-def missing_table(exc: BaseException) -> bool:
-    """True if ``exc`` says a table does not exist: the lock database was not migrated."""
-    if getattr(exc.__cause__, "sqlstate", None) == "42P01":  # PostgreSQL's undefined_table
-        return True
-    if exc.args and exc.args[0] == 1146:  # MySQL's ER_NO_SUCH_TABLE
-        return True
-    return "no such table" in str(exc)  # SQLite
-
-
-class Unmigrated(ImproperlyConfigured):
-    """A lock database without distlocks' tables (not BackendUnavailable: the server answered)."""
-
-
-def unmigrated(alias: str, database: str) -> Unmigrated:
-    return Unmigrated(
-        f"DISTLOCKS[{alias!r}]: database {database!r} has no distlocks tables: "
-        f"run `python manage.py migrate --database {database}`"
-    )
-
-
-def unmigrated_warning(alias: str, table: str, ask: Callable[[str], object]) -> list[checks.CheckMessage]:
-    """For a backend's ``ping()``: W014 if ``ask(sql)`` finds ``table`` missing (``manage.py check`` may run before
-    ``migrate``, so a warning, not an error)."""
-    try:
-        ask(f"SELECT 1 FROM {table} WHERE 1 = 0")
-    except Unmigrated as exc:
-        return [
-            checks.Warning(
-                str(exc),
-                hint=f"Until then locks on {alias!r} raise ImproperlyConfigured. "
-                "Each database a DISTLOCKS entry names needs the migrations, not only 'default'.",
-                id="distlocks.W014",
-            )
-        ]
-    return []
-
-
-def database_of(alias: str, database: str) -> BaseDatabaseWrapper:
-    """The Django connection a lock backend's ``OPTIONS['DATABASE']`` names; ImproperlyConfigured if none."""
-    try:
-        return connections[database]
-    except ConnectionDoesNotExist as exc:
-        raise ImproperlyConfigured(
-            f"DISTLOCKS[{alias!r}]['OPTIONS']['DATABASE'] names {database!r}, which is not in DATABASES"
-        ) from exc
-
-
-def database_address(database: str) -> str:
-    """Where a DATABASES entry points, for messages: its host:port and name, never its password."""
-    settings_dict = connections.settings[database] if database in connections else {}
-    where = ":".join(str(part) for part in (settings_dict.get("HOST"), settings_dict.get("PORT")) if part)
-    return f"database {database!r} ({where + ' ' if where else ''}{settings_dict.get('NAME', '')})"
-
-
-def unavailable(alias: str, database: str, error: BaseException | None) -> BackendUnavailable:
-    """BackendUnavailable naming the host and port tried: mysqlclient's errors name the host only."""
-    address = database_address(database)
-    return BackendUnavailable(f"D{address[1:]} for locks on {alias!r} is unavailable: {error}", alias=alias)
-
-
-def missing_database(alias: str, database: str) -> checks.CheckMessage:
-    """The system check error for a lock backend whose ``OPTIONS['DATABASE']`` is not in ``DATABASES``."""
-    return checks.Error(
-        f"DISTLOCKS[{alias!r}] uses database {database!r}, which is not in DATABASES.",
-        hint=f"Set OPTIONS['DATABASE'] to one of: {', '.join(connections)}.",
-        id="distlocks.E003",
-    )
-
-
-#: The OPTIONS of a database lock backend (``connection_options`` reads them).
-CONNECTION_OPTIONS = ("DATABASE", "CONNECT_TIMEOUT", "TIMEOUT")
-#: What a database lock backend reads instead of LOCATION.
-LOCATION_INSTEAD = (
-    "OPTIONS['DATABASE'] names the database (an alias of DATABASES, default 'default') "
-    "whose connection settings the locks use."
-)
-
-
-def connection_options(alias: str, options: dict[str, Any]) -> tuple[str, float, float]:
-    """A database lock backend's ``OPTIONS``: (DATABASE, CONNECT_TIMEOUT, TIMEOUT), checked."""
-    try:
-        timeout = check_positive_number(options.get("TIMEOUT", DEFAULT_TIMEOUT), "OPTIONS['TIMEOUT']")
-        # Checked too: 0 or less would have libpq and mysqlclient wait for a silent server without end.
-        connect_timeout = check_positive_number(options.get("CONNECT_TIMEOUT", 5), "OPTIONS['CONNECT_TIMEOUT']")
-    except ValueError as exc:
-        raise ImproperlyConfigured(f"DISTLOCKS[{alias!r}]: {exc}") from exc
-    return options.get("DATABASE", DEFAULT_DB_ALIAS), connect_timeout, timeout
 
 
 def track(connection: BaseDatabaseWrapper) -> None:
@@ -260,11 +176,14 @@ def open_like(base: BaseDatabaseWrapper, alias: str, connect_timeout: float, tim
         # Whole seconds: mysqlclient refuses a float (TypeError), libpq reads an integer.
         options.setdefault("connect_timeout", math.ceil(connect_timeout))
         settings_dict[_TIMEOUT_KEY] = timeout
-    if base.vendor == "mysql":  # psycopg's: see _bound_lock_waits
+    if base.vendor == "mysql":  # psycopg's: see _answers_bounded
         options.setdefault("read_timeout", client_timeout(timeout))
         options.setdefault("write_timeout", client_timeout(timeout))
     settings_dict["OPTIONS"] = options
-    return type(base)(settings_dict, alias=alias)
+    connection = type(base)(settings_dict, alias=alias)
+    if base.vendor == "postgresql":
+        connection.get_new_connection = _answers_bounded(connection.get_new_connection, timeout)  # type: ignore[method-assign,assignment]
+    return connection
 
 
 def client_timeout(timeout: float) -> int:
@@ -290,10 +209,24 @@ def _bound_lock_waits(sender: object, connection: BaseDatabaseWrapper, **kwargs:
             cursor.execute(
                 "SELECT set_config('lock_timeout', %s, false), set_config('statement_timeout', %s, false)", [ms, ms]
             )
-    raw = connection.connection
-    if connection.vendor == "postgresql" and _wait_takes_timeout(type(raw)):
-        # libpq has no read timeout, but psycopg's wait for an answer takes one.
-        raw.wait = functools.partial(type(raw).wait, raw, timeout=client_timeout(timeout))
+
+
+def _answers_bounded(get_new_connection: Callable[[Any], Any], timeout: float) -> Callable[[Any], Any]:
+    """Bound psycopg's every wait for an answer on the new connection, from its first statement on.
+
+    libpq has no read timeout, but psycopg's wait takes one. Set as the
+    connection is made, before the statements Django runs on it then (the
+    time zone) and ours above: a server that answers the login and then hangs
+    would keep any of them waiting for good.
+    """
+
+    def connect(conn_params: Any) -> Any:
+        raw = get_new_connection(conn_params)
+        if _wait_takes_timeout(type(raw)):
+            raw.wait = functools.partial(type(raw).wait, raw, timeout=client_timeout(timeout))
+        return raw
+
+    return connect
 
 
 def _wait_takes_timeout(connection_class: Any) -> bool:
@@ -310,6 +243,44 @@ def execute(connection: BaseDatabaseWrapper, sql: str, params: list[Any]) -> int
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
         return int(cursor.rowcount)
+
+
+def session_of(connection: BaseDatabaseWrapper) -> int | None:
+    """The server's id of ``connection``'s session, as the client knows it (None: not connected, or SQLite)."""
+    raw = connection.connection
+    if raw is None or connection.vendor not in ("mysql", "postgresql"):
+        return None
+    return int(raw.thread_id() if connection.vendor == "mysql" else raw.info.backend_pid)
+
+
+def end_session(connection: BaseDatabaseWrapper, session: int, began: float, timeout: float) -> None:
+    """End ``session``, used since ``began`` (monotonic), and wait ``timeout`` seconds at most until it is gone:
+    by then what it ran has committed or rolled back, and nothing it was sent runs any more.
+
+    Not a session the server gave the same id since (a PostgreSQL pid used
+    again, any MySQL id after a restart): one that began after ``began``
+    (give or take a second) is not it.
+    """
+    age = time.monotonic() - began - 1.0
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute(
+                "SELECT pg_terminate_backend(pid, %s) FROM pg_stat_activity WHERE pid = %s"
+                " AND backend_start <= STATEMENT_TIMESTAMP() - %s * INTERVAL '1 microsecond'",
+                [max(1, round(timeout * 500)), session, round(age * 1_000_000)],
+            )
+            return
+        cursor.execute("SHOW GLOBAL STATUS LIKE 'Uptime'")
+        if float(cursor.fetchone()[1]) < age:  # restarted since: the session is gone, and its id may be another's
+            return
+        with contextlib.suppress(DatabaseError):  # gone already
+            cursor.execute(f"KILL CONNECTION {int(session)}")
+        deadline = time.monotonic() + timeout / 2
+        while time.monotonic() < deadline:
+            cursor.execute("SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE ID = %s", [session])
+            if not cursor.fetchone()[0]:
+                return
+            time.sleep(0.01)
 
 
 class _Raise:
@@ -354,6 +325,50 @@ class OwnConnectionBackend(BaseLockBackend):
         # one thread may lock in and out of an event loop (DJANGO_ALLOW_ASYNC_UNSAFE) with this one connection.
         connections[self._connection_alias] = connection
         return self._connection_alias
+
+    def _run_taking(
+        self,
+        operation: Callable[[BaseDatabaseWrapper], T | None],
+        undo: Callable[[BaseDatabaseWrapper], object],
+        lost: Callable[[int], object],
+        began: float,
+    ) -> T | None:
+        """``_run(operation, when_busy=None)`` for a statement that may take a lock, begun at ``began`` (monotonic);
+        ``undo`` deletes what it took.
+
+        Interrupted by anything but the driver (a signal handler raised:
+        Celery's soft time limit, an alarm), the statement may have taken the
+        lock, or still be about to, for an owner who is told it did not: its
+        session is ended (and waited for), then ``undo`` runs on a new one.
+        One whose connection failed (``BackendUnavailable``) may run once the
+        server goes on: ``lost(session)`` has it voided then.
+        """
+        using = self._using()
+        sessions: list[int | None] = []
+
+        def recorded(connection: BaseDatabaseWrapper) -> T | None:
+            connection.ensure_connection()
+            sessions.append(session_of(connection))
+            return operation(connection)
+
+        try:
+            return self._run(recorded, when_busy=None)
+        except BackendUnavailable:
+            if sessions and sessions[-1] is not None:
+                lost(sessions[-1])
+            raise
+        except (DatabaseError, Unmigrated):  # the server answered: the statement ran, or will not
+            raise
+        except BaseException:
+            with contextlib.suppress(Exception):
+                if using == self._connection_alias:
+                    with contextlib.suppress(Exception):
+                        connections[using].close()
+                session = sessions[-1] if sessions else None
+                if session is not None:
+                    self._run(lambda other: end_session(other, session, began, self.timeout))
+                self._run(undo)
+            raise
 
     def _run(self, operation: Callable[[BaseDatabaseWrapper], T], *, when_busy: T | _Raise = RAISE) -> T:
         """Run ``operation(connection)``, mapping driver errors to lock semantics.

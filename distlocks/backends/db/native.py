@@ -33,23 +33,20 @@ from django.db import DatabaseError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from distlocks.backends.base import BaseLockBackend, LockInfo
-from distlocks.backends.db.connections import (
+from distlocks.backends.db.config import (
     CONNECTION_OPTIONS,
     LOCATION_INSTEAD,
-    close_if_dropped,
     connection_options,
     database_address,
     database_of,
-    is_busy,
     missing_database,
     missing_table,
-    open_like,
-    track,
-    tracked,
     unavailable,
     unmigrated,
     unmigrated_warning,
+    wrong_database,
 )
+from distlocks.backends.db.connections import close_if_dropped, is_busy, open_like, track, tracked
 from distlocks.exceptions import BackendUnavailable
 from distlocks.owner import Owner
 
@@ -163,7 +160,12 @@ class NativeLockBackend(BaseLockBackend):
         raise NotImplementedError
 
     def sql_end_session(self, cursor: Any, key: str, session: int) -> None:
-        """End ``session`` if it still holds ``key``'s server lock on an expired lease (its server locks are freed)."""
+        """End ``session`` if it holds ``key``'s server lock on an expired lease, or idle on none (its locks are freed)."""
+        raise NotImplementedError
+
+    def sql_unleased(self, cursor: Any, key: str) -> tuple[float, int] | None:
+        """The session idle holding ``key``'s server lock with no lease naming it (a waiter the server handed the
+        lock to, which has yet to write its lease), and the seconds left of its ``TIMEOUT`` to write it; else None."""
         raise NotImplementedError
 
     def sql_renew(self, cursor: Any, key: str, secret: str, ttl: float | None, more: int) -> bool:
@@ -192,16 +194,9 @@ class NativeLockBackend(BaseLockBackend):
 
     def _base(self) -> BaseDatabaseWrapper:
         base = database_of(self.alias, self.database)
-        if base.vendor != self.vendor:
-            why = ""
-            if "DATABASE" not in self.options:  # a typo such as 'DATABSE' ends here, not in manage.py check
-                unknown = ", ".join(repr(key) for key in self.options if key not in self.option_names)
-                ignored = f"; OPTIONS has {unknown}, which it does not read" if unknown else ""
-                why = f" (OPTIONS['DATABASE'] is not set{ignored})"
-            raise ImproperlyConfigured(
-                f"DISTLOCKS[{self.alias!r}] ({type(self).__name__}) needs a {self.vendor} database; "
-                f"{self.database!r} is {base.vendor}{why}"
-            )
+        wrong = wrong_database(self, base.vendor)
+        if wrong is not None:
+            raise ImproperlyConfigured(wrong)
         return base
 
     def _connection(self) -> BaseDatabaseWrapper:
@@ -264,9 +259,11 @@ class NativeLockBackend(BaseLockBackend):
                 token: int | None = self._run(won, lambda c: self.sql_write(c, key, owner, ttl))
             else:
                 token = self._attempt(connection, key, owner, ttl)
-        except Deadlocked:
+        except BackendUnavailable as exc:
             self._put(connection)  # closed: it connects again when next used
-            return None  # not acquired: the core tries again
+            if won is None and not isinstance(exc, Deadlocked):
+                raise
+            return None  # not acquired (the core tries again): a deadlock's victim, or ended before its lease write
         except BaseException:
             self._put(connection)  # closed: it connects again when next used
             raise
@@ -282,6 +279,8 @@ class NativeLockBackend(BaseLockBackend):
         if token is not None:
             return token
         holder = self._run(connection, lambda c: self.sql_holder(c, key))
+        if holder is None:  # no lease names the holding session (a waiter handed the lock): see sql_unleased
+            holder = self._run(connection, lambda c: self.sql_unleased(c, key))
         self._lease_left[key] = None if holder is None else holder[0]
         if holder is None or holder[0] > 0:
             return None
@@ -376,6 +375,10 @@ class NativeLockBackend(BaseLockBackend):
     def extend(self, key: str, owner: Owner, ttl: float) -> bool:
         return self._on_any(lambda c: self.sql_renew(c, key, owner.secret, ttl, 0))
 
+    def session_ended(self, key: str, owner: Owner) -> bool:
+        hold = _holding.get((self.alias, key, owner.secret))
+        return hold is not None and hold.connection.connection is None  # closed by _run: the server's lock is gone
+
     def drop(self, key: str, owner: Owner) -> bool:
         """Free ``owner``'s hold of ``key`` by closing its session (from any thread of the process)."""
         with _holding_lock:
@@ -430,17 +433,9 @@ class NativeLockBackend(BaseLockBackend):
     def check(self) -> list[checks.CheckMessage]:
         if self.database not in connections:
             return [missing_database(self.alias, self.database)]
-        vendor = connections[self.database].vendor
-        if vendor != self.vendor:
-            return [
-                checks.Error(
-                    f"DISTLOCKS[{self.alias!r}] ({type(self).__name__}) needs a {self.vendor} database; "
-                    f"{self.database!r} is {vendor}.",
-                    hint="Use the backend for that database, or distlocks.backends.db.DatabaseBackend (any database).",
-                    id="distlocks.E007",
-                )
-            ]
-        return []
+        wrong = wrong_database(self, connections[self.database].vendor)
+        hint = "Use the backend for that database, or distlocks.backends.db.DatabaseBackend (any database)."
+        return [] if wrong is None else [checks.Error(f"{wrong}.", hint=hint, id="distlocks.E007")]
 
 
 def _utc(value: datetime) -> datetime:

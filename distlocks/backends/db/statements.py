@@ -38,7 +38,7 @@ class Statements:
             # The text format Django stores datetimes in on SQLite.
             now = "STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW')"
             later = "STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW', %s)"
-            self.lease = lambda ttl: f"+{ttl:.3f} seconds"
+            self.lease = lambda ttl: f"{ttl:+.3f} seconds"
         else:
             raise ImproperlyConfigured(f"the database lock backend does not support {connection.display_name}")
         self.now = now
@@ -101,6 +101,11 @@ class Statements:
         )
         self.release_one = f"UPDATE {table} SET hold_count = hold_count - 1 WHERE {mine}"
         self.drop_mine = f"DELETE FROM {table} WHERE lock_name = %s AND owner_secret = %s"
+        # The row an attempt of this thread of this process may have inserted since (the last parameter: a
+        # negative lease) it began: not a hold of another with the same secret (a Celery task's copies).
+        self.drop_attempt = (
+            f"{self.drop_mine} AND owner_host = %s AND owner_pid = %s AND owner_thread = %s AND acquired_at >= {later}"
+        )
         self.force_release = f"DELETE FROM {table} WHERE lock_name = %s"
         # Compare and delete in one statement: the next holder's row has another id.
         self.force_release_token = f"DELETE FROM {table} WHERE lock_name = %s AND id = %s"
