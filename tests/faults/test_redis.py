@@ -268,7 +268,9 @@ def test_a_long_outage_keeps_at_most_max_pending_voids_dropping_the_oldest(own_r
     assert "Too many lost acquires to void" in caplog.text
     for n in names:
         voided(n)
-    assert [taken_elsewhere(n, wait=0) for n in names] == [False, True, True]  # the first one's void was dropped
+    # The kept ones were voided. The dropped one is no longer tried; a void of it already in flight when
+    # it was dropped (the voids' thread tries the oldest first) may still have freed it, so it is not asserted.
+    assert [taken_elsewhere(n, wait=0) for n in names[1:]] == [True, True]
 
 
 def test_a_lost_acquire_leaves_the_hold_its_owner_had_already(own_redis, name):
