@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -20,6 +21,7 @@ from distlocks.handler import locks
 from localservers import REDIS_PORT
 from tests.conftest import DB, Holder
 from tests.faults.conftest import FreezableProxy, free_elsewhere, frozen
+from tests.faults.test_core import until
 
 pytestmark = [DB, pytest.mark.servers("redis")]
 
@@ -363,3 +365,47 @@ def test_a_lost_acquire_that_redis_py_sends_again_takes_what_its_first_run_took(
         assert writable_elsewhere(name, kind)  # before the fix, a read side's second run held it once more
     finally:
         proxy.close()
+
+
+@pytest.mark.parametrize("waiter", ["thread", "task"])
+def test_a_hand_over_published_to_a_black_holed_release_channel_reaches_its_waiter_long_before_the_lease(
+    own_redis, settings, name, waiter
+):
+    """A release channel dropped without a reset (a NAT, a firewall) reads nothing: pinged, it is found dead
+    and resubscribed, and the waiter takes the lock handed to it then, not when its 30 s lease runs out."""
+    server = own_redis(REDIS_PORT + 70 + (waiter == "task"), SOCKET_CONNECT_TIMEOUT=1, SOCKET_TIMEOUT=1)
+    proxy = FreezableProxy(server.port)
+    proxied = {**settings.CACHES["own"], "LOCATION": f"redis://127.0.0.1:{proxy.port}/0"}
+    settings.CACHES = {**settings.CACHES, "proxied": proxied}
+    settings.DISTLOCKS = {**settings.DISTLOCKS, "proxied": {"BACKEND": REDIS, "OPTIONS": {"CACHE": "proxied"}}}
+    client = locks["own"].client
+    queue = keys_of_lock(locks["own"].make_key(name))[2]
+    holder = distlocks.lock(name, using="own", ttl=30)
+    assert holder.acquire(wait=0)
+    taken = []
+
+    def take():  # through the proxy
+        if waiter == "thread":
+            with distlocks.lock(name, using="proxied", ttl=30, wait=60):
+                taken.append(time.monotonic())
+            return
+
+        async def main():
+            async with distlocks.alock(name, using="proxied", ttl=30, wait=60):
+                taken.append(time.monotonic())
+
+        asyncio.run(main())
+
+    thread = threading.Thread(target=take)
+    thread.start()
+    try:
+        until(lambda: client.zcard(queue) == 1)  # queued, its process's channel subscribed
+        proxy.stall_to({entry["addr"] for entry in client.client_list(_type="pubsub")})  # that channel alone
+        released = time.monotonic()
+        holder.release()
+        thread.join(60)
+        assert taken, "the waiter did not get the lock"
+        assert taken[0] - released < 10, f"the waiter took the lock {taken[0] - released:.1f}s after its release"
+    finally:
+        proxy.close()
+        thread.join(60)
