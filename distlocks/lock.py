@@ -325,9 +325,13 @@ class DistributedLock(LockAPI):
             with contextlib.suppress(Exception):  # our own leftovers (an expired row, a node), if any
                 yield backend, "drop" if backend.session_bound else "release", (self.key, hold.owner)
             raise self._error(LockLost, "was lost while held")
-        # An error here leaves the lease unrenewed: it runs out (a session-bound
-        # backend deletes its node as soon as it can).
-        released = yield backend, "release", (self.key, hold.owner)
+        # An error here leaves the lease unrenewed: it runs out unless the
+        # backend frees it later (a session-bound one deletes its node as soon as it can).
+        try:
+            released = yield backend, "release", (self.key, hold.owner)
+        except BaseException:
+            backend.release_later(self.key, hold.token)
+            raise
         for _ in range(hold.uncounted if released else 0):
             # Inner holds whose release failed may still count on the server.
             if not (yield backend, "release", (self.key, hold.owner)):

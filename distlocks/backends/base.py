@@ -303,6 +303,14 @@ class BaseLockBackend:
         """Yield the locks held right now (for the admin and the commands)."""
         raise NotImplementedError("subclasses of BaseLockBackend may provide a held() method")
 
+    def release_later(self, key: str, token: int) -> None:
+        """The last release of ``key``'s acquisition ``token`` raised (an interrupt, a server that did not answer).
+
+        It may never have reached the server: a backend that can frees that
+        acquisition (and no later one) once the server answers, without
+        blocking the caller. By default its lease runs out.
+        """
+
     def drop(self, key: str, owner: Owner) -> bool:
         """Free ``owner``'s hold of ``key`` whatever its count, without blocking; False if it had none here.
 

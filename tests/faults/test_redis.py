@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import threading
 import time
 from io import StringIO
@@ -22,6 +23,7 @@ from localservers import REDIS_PORT
 from tests.conftest import DB, Holder
 from tests.faults.conftest import FreezableProxy, free_elsewhere, frozen
 from tests.faults.test_core import until
+from tests.faults.test_interrupts import Interrupted, raising_on
 
 pytestmark = [DB, pytest.mark.servers("redis")]
 
@@ -409,3 +411,27 @@ def test_a_hand_over_published_to_a_black_holed_release_channel_reaches_its_wait
     finally:
         proxy.close()
         thread.join(60)
+
+
+@pytest.mark.parametrize("fault", ["interrupt", "timeout"])
+def test_a_release_that_never_reached_a_frozen_server_frees_the_lock_once_it_answers(own_redis, name, fault):
+    """A release interrupted (a raising signal handler: Celery's soft time limit) or timed out while it opened a
+    connection to a frozen server was never sent: it is made again once the server answers, not left to the lease."""
+    server = own_redis(REDIS_PORT + 72 + (fault == "timeout"), SOCKET_CONNECT_TIMEOUT=1, SOCKET_TIMEOUT=0.5)
+    lk = distlocks.lock(name, using="own", ttl=30)
+    assert lk.acquire(wait=0)
+    locks["own"].client.connection_pool.disconnect()  # the release opens a connection: its handshake waits
+    with frozen(server):
+        if fault == "timeout":
+            with pytest.raises(distlocks.BackendUnavailable):
+                lk.release()
+        else:
+            with raising_on(signal.SIGALRM):
+                signal.setitimer(signal.ITIMER_REAL, 0.2)  # within the handshake's 0.5 s socket timeout
+                try:
+                    with pytest.raises(Interrupted):
+                        lk.release()
+                finally:
+                    signal.setitimer(signal.ITIMER_REAL, 0)
+    assert lk.hold_count == 0
+    until(lambda: free_elsewhere(name, "own"), seconds=5)  # not after its 30 s lease
