@@ -156,6 +156,8 @@ class AsyncPrimitives(Protocol):
 
     async def release(self, key: str, owner: Owner) -> bool: ...
 
+    async def release_token(self, key: str, owner: Owner, token: int) -> bool: ...
+
 
 class BaseLockBackend:
     """Primitives a lock server offers; ``DistributedLock`` builds the lock on them.
@@ -246,6 +248,15 @@ class BaseLockBackend:
     def release(self, key: str, owner: Owner) -> bool:
         """Drop one hold, freeing the lock at zero; False if ``owner`` has no live lease."""
         raise NotImplementedError("subclasses of BaseLockBackend must provide a release() method")
+
+    def release_token(self, key: str, owner: Owner, token: int) -> bool:
+        """``release()`` one hold of ``owner``'s acquisition ``token`` of ``key``: only that acquisition's.
+
+        A backend whose requests may reach the server late (one stuck on a
+        connection after its caller gave up on it) checks the token too, so
+        that a stale release never frees a later acquisition by the same owner.
+        """
+        return self.release(key, owner)
 
     def extend(self, key: str, owner: Owner, ttl: float) -> bool:
         """Renew the lease for ``ttl`` seconds; False if ``owner`` has no live lease."""

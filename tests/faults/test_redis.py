@@ -435,3 +435,35 @@ def test_a_release_that_never_reached_a_frozen_server_frees_the_lock_once_it_ans
                     signal.setitimer(signal.ITIMER_REAL, 0)
     assert lk.hold_count == 0
     until(lambda: free_elsewhere(name, "own"), seconds=5)  # not after its 30 s lease
+
+
+def test_a_release_that_reaches_the_server_late_leaves_its_owners_next_acquisition_alone(own_redis, settings, name):
+    """A thread's release stuck on a connection (a frozen proxy) times out; its lease runs out, and the thread
+    takes the lock again on another connection. When the old release arrives, it must not free the new hold,
+    which belongs to the same owner (a thread keeps its secret): another thread would get in silently."""
+    server = own_redis(REDIS_PORT + 74, SOCKET_CONNECT_TIMEOUT=1, SOCKET_TIMEOUT=0.5)
+    proxy = FreezableProxy(server.port)
+    proxied = {**settings.CACHES["own"], "LOCATION": f"redis://127.0.0.1:{proxy.port}/0"}
+    settings.CACHES = {**settings.CACHES, "proxied": proxied}
+    settings.DISTLOCKS = {**settings.DISTLOCKS, "proxied": {"BACKEND": REDIS, "OPTIONS": {"CACHE": "proxied"}}}
+    client = locks["own"].client
+    first = distlocks.lock(name, using="proxied", ttl=1, renew=False)
+    again = distlocks.lock(name, using="own", ttl=30)
+    try:
+        with again:
+            pass  # the release script is loaded: the old release will run, not fail with NOSCRIPT
+        assert first.acquire(wait=0)
+        # The proxy's connection to Redis that the release will use (the one the acquire used).
+        stale = {"{}:{}".format(*sock.getsockname()) for sock in proxy.sockets[2::2]}
+        with proxy.frozen():
+            with pytest.raises(distlocks.BackendUnavailable):
+                first.release()  # sent, and held by the proxy; its client gives up on the connection
+            assert again.acquire(wait=10)  # on another connection, once the first lease has run out
+        # Thawed: the old release runs, then its connection ends.
+        until(lambda: not stale & {entry["addr"] for entry in client.client_list()})
+        assert client.hget(lock_hash(again.key), "token") == str(again.token).encode()
+        assert not free_elsewhere(name, "own")
+        assert not again.lost
+        again.release()
+    finally:
+        proxy.close()

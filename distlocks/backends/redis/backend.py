@@ -198,6 +198,9 @@ class RedisBackend(BaseLockBackend):
     def release(self, key: str, owner: Owner) -> bool:
         return int(self.call("release", keys_of_lock(key), [owner.secret])) >= 0
 
+    def release_token(self, key: str, owner: Owner, token: int) -> bool:
+        return int(self.call("release", keys_of_lock(key), [owner.secret, token])) >= 0
+
     def extend(self, key: str, owner: Owner, ttl: float) -> bool:
         return bool(self.call("extend", [self._hash(key)], [owner.secret, lease_ms(ttl)]))
 

@@ -131,12 +131,13 @@ return 1
 """
 
 # KEYS[1] the lock hash, KEYS[2] its fencing counter, KEYS[3] its waiters' queue
-# ARGV[1] the owner's secret
+# ARGV[1] the owner's secret; ARGV[2] (if given) the token of the acquisition to release: a release that
+# reaches the server late (after its caller gave up on it) never frees the owner's later acquisition
 # return the holds left (0: released and passed on), -1 if the owner does not hold it
 RELEASE = (
     """
-local owner, count = unpack(redis.call('HMGET', KEYS[1], 'owner', 'count'))
-if owner ~= ARGV[1] then return -1 end
+local owner, count, token = unpack(redis.call('HMGET', KEYS[1], 'owner', 'count', 'token'))
+if owner ~= ARGV[1] or (ARGV[2] and tonumber(token) ~= tonumber(ARGV[2])) then return -1 end
 if tonumber(count) > 1 then return redis.call('HINCRBY', KEYS[1], 'count', -1) end
 redis.call('DEL', KEYS[1])
 if redis.call('EXISTS', KEYS[3]) == 0 then return 0 end
