@@ -323,7 +323,10 @@ class DistributedLock(LockAPI):
         watchdog().unwatch(hold)
         if hold.lost:
             with contextlib.suppress(Exception):  # our own leftovers (an expired row, a node), if any
-                yield backend, "drop" if backend.session_bound else "release", (self.key, hold.owner)
+                if backend.session_bound:
+                    yield backend, "drop", (self.key, hold.owner)
+                else:
+                    yield backend, "release_token", (self.key, hold.owner, hold.token)
             raise self._error(LockLost, "was lost while held")
         # An error here leaves the lease unrenewed: it runs out unless the
         # backend frees it later (a session-bound one deletes its node as soon as it can).

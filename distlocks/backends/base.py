@@ -262,6 +262,10 @@ class BaseLockBackend:
         """Renew the lease for ``ttl`` seconds; False if ``owner`` has no live lease."""
         raise NotImplementedError("subclasses of BaseLockBackend must provide an extend() method")
 
+    def extend_token(self, key: str, owner: Owner, ttl: float, token: int) -> bool:
+        """``extend()`` the lease of ``owner``'s acquisition ``token`` of ``key`` only (see ``release_token``)."""
+        return self.extend(key, owner, ttl)
+
     def wait(self, key: str, attempt: int, remaining: float | None) -> None:
         """Block until the lock may be free, at most ``remaining`` seconds.
 

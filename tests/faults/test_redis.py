@@ -467,3 +467,37 @@ def test_a_release_that_reaches_the_server_late_leaves_its_owners_next_acquisiti
         again.release()
     finally:
         proxy.close()
+
+
+def test_a_renewal_that_reaches_the_server_late_leaves_its_owners_next_lease_alone(own_redis, settings, name):
+    """The watchdog's renewal of a lease, stuck on a connection (a frozen proxy) until the lease was lost and the
+    thread took the lock again, must not cut the new, longer lease when it arrives: it would run out while the
+    thread (same owner, same secret) still believes it holds the lock."""
+    server = own_redis(REDIS_PORT + 75, SOCKET_CONNECT_TIMEOUT=1, SOCKET_TIMEOUT=2)
+    proxy = FreezableProxy(server.port)
+    proxied = {**settings.CACHES["own"], "LOCATION": f"redis://127.0.0.1:{proxy.port}/0"}
+    settings.CACHES = {**settings.CACHES, "proxied": proxied}
+    settings.DISTLOCKS = {**settings.DISTLOCKS, "proxied": {"BACKEND": REDIS, "OPTIONS": {"CACHE": "proxied"}}}
+    client = locks["own"].client
+
+    def scripts_run():
+        return client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+
+    first = distlocks.lock(name, using="proxied", ttl=1.5)  # renewed through the proxy
+    again = distlocks.lock(name, using="own", ttl=30, renew=False)
+    try:
+        assert not again.extend_detached(1)  # the renewal's script is loaded: it will run late, not fail
+        assert first.acquire(wait=0)
+        with proxy.frozen():
+            until(lambda: first.lost)  # its renewal is held by the proxy
+            with pytest.raises(distlocks.LockLost):
+                first.release()  # (its clean-up opens a connection: its handshake times out, nothing is sent)
+            assert again.acquire(wait=10)
+            before = scripts_run()
+        # Thawed: the late renewal runs.
+        until(lambda: scripts_run() > before)
+        assert client.pttl(lock_hash(again.key)) > 25_000
+        assert not free_elsewhere(name, "own")
+        again.release()
+    finally:
+        proxy.close()

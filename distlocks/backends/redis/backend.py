@@ -204,6 +204,9 @@ class RedisBackend(BaseLockBackend):
     def extend(self, key: str, owner: Owner, ttl: float) -> bool:
         return bool(self.call("extend", [self._hash(key)], [owner.secret, lease_ms(ttl)]))
 
+    def extend_token(self, key: str, owner: Owner, ttl: float, token: int) -> bool:
+        return bool(self.call("extend", [self._hash(key)], [owner.secret, lease_ms(ttl), token]))
+
     def release_later(self, key: str, token: int) -> None:
         """Free the acquisition ``token`` of ``key`` once the server answers (see ``strays``), if it is still held."""
         strays.release_later(lambda: self.client, keys_of_lock(key), token)

@@ -183,10 +183,12 @@ return give_back((owner == ARGV[2] and attempt == ARGV[1] and count == '1') or (
 """
 )
 
-# KEYS[1] the lock hash / ARGV[1] the owner's secret, ARGV[2] the lease in ms
+# KEYS[1] the lock hash / ARGV[1] the owner's secret, ARGV[2] the lease in ms; ARGV[3] (if given) the
+# token of the acquisition to renew: a renewal that reaches the server late never cuts the owner's later one
 # return 1 if renewed, 0 if the owner does not hold it
 EXTEND = """
-if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
+local owner, token = unpack(redis.call('HMGET', KEYS[1], 'owner', 'token'))
+if owner ~= ARGV[1] or (ARGV[3] and tonumber(token) ~= tonumber(ARGV[3])) then return 0 end
 return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 """
 
