@@ -257,7 +257,9 @@ class AsyncDistributedLock(AsyncLockAPI):
             if tried is None or tried.done():
                 leaving = self._end(state, native, turn, tried)
                 if leaving is not None:
-                    await finish(leaving)
+                    await finish_or_undo(
+                        leaving, _took(tried), self.lock.release, self.lock._release if native else None
+                    )
             else:  # cancelled during an attempt: the wait ends with it, without holding up the task
                 tried.add_done_callback(lambda _: self._end(state, native, turn, tried))
 
@@ -290,7 +292,7 @@ class AsyncDistributedLock(AsyncLockAPI):
     ) -> asyncio.Future[None] | None:
         """Stop waiting once the last attempt has ended, leaving the queue on the server if need be (in the pool,
         or on the loop)."""
-        acquired = tried is not None and not tried.cancelled() and tried.exception() is None and tried.result()
+        acquired = _took(tried)
         if native is not None:
             return asyncio.ensure_future(native.end_wait(turn, acquired))
         leave = turn.end(acquired)
@@ -322,17 +324,27 @@ async def attempt_or_undo(
         raise
 
 
+def _took(attempt: asyncio.Future[Any] | None) -> bool:
+    """Whether ``attempt`` (done, or None: none made) ended taking the lock."""
+    return attempt is not None and not attempt.cancelled() and attempt.exception() is None and attempt.result() is True
+
+
 def _undo(
     state: _TaskState,
     undo: Callable[[], object],
     undo_on_loop: Callable[[], Steps[None]] | None,
     attempt: asyncio.Future[Any],
 ) -> None:
-    if not attempt.cancelled() and attempt.exception() is None and attempt.result() is True:
-        if undo_on_loop is None:
-            _pool.get().submit(state.run, undo)
-        else:
-            _retrieved(asyncio.ensure_future(run_steps(state, undo_on_loop())))
+    if _took(attempt):
+        _give_back(state, undo, undo_on_loop)
+
+
+def _give_back(state: _TaskState, undo: Callable[[], object], undo_on_loop: Callable[[], Steps[None]] | None) -> None:
+    """Undo a take the task of ``state`` was never told of: ``undo()`` in the pool, or ``undo_on_loop()`` on the loop."""
+    if undo_on_loop is None:
+        _pool.get().submit(state.run, undo)
+    else:
+        _retrieved(asyncio.ensure_future(run_steps(state, undo_on_loop())))
 
 
 async def run_steps(state: _TaskState, steps: Steps[T]) -> T:
@@ -364,6 +376,24 @@ async def finish(call: asyncio.Future[T]) -> T:
         return await asyncio.shield(call)
     except asyncio.CancelledError:
         _retrieved(call)
+        raise
+
+
+async def finish_or_undo(
+    call: asyncio.Future[Any],
+    taken: bool,
+    undo: Callable[[], object],
+    undo_on_loop: Callable[[], Steps[None]] | None = None,
+) -> None:
+    """``finish(call)``, the end of an acquire that has ``taken`` the lock: if the task is cancelled meanwhile,
+    its caller is told CancelledError, not that it holds the lock (it runs no ``async with`` body and never
+    releases), so ``undo()`` the take once ``call`` has ended, as ``attempt_or_undo`` does."""
+    state = _current()
+    try:
+        await finish(call)
+    except asyncio.CancelledError:
+        if taken:
+            call.add_done_callback(lambda _: _give_back(state, undo, undo_on_loop))
         raise
 
 

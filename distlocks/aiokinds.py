@@ -11,7 +11,15 @@ from __future__ import annotations
 
 import contextlib
 
-from distlocks.aio import AsyncDistributedLock, AsyncLockAPI, TaskView, attempt_or_undo, finish, in_pool
+from distlocks.aio import (
+    AsyncDistributedLock,
+    AsyncLockAPI,
+    TaskView,
+    attempt_or_undo,
+    finish,
+    finish_or_undo,
+    in_pool,
+)
 from distlocks.backends.base import check_wait, deadline_after, time_left
 from distlocks.exceptions import LockNotAcquired
 from distlocks.handler import DEFAULT_ALIAS
@@ -68,17 +76,20 @@ class AsyncSemaphore(AsyncLockAPI):
             return order
         if not await self.queue.acquire(wait=time_left(deadline)):
             return False
+        taken = False
         try:
             attempt = 0
             while True:
                 step = await attempt_or_undo(in_pool(sem._next_wait, order, attempt, deadline), sem.release)
                 if isinstance(step, bool):
+                    taken = step
                     return step
-                if await AsyncDistributedLock.of(step[0]).acquire(wait=step[1]):
+                taken = await AsyncDistributedLock.of(step[0]).acquire(wait=step[1])
+                if taken:
                     return True
                 attempt += 1
         finally:
-            await finish(in_pool(sem._leave_queue))
+            await finish_or_undo(in_pool(sem._leave_queue), taken, sem.release)
 
     async def release(self) -> None:
         """Release one hold of the calling task's permit (see ``Semaphore.release``)."""

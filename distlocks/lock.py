@@ -224,7 +224,7 @@ class DistributedLock(LockAPI):
             mine.pop((self.alias, self.key), None)
             watchdog().unwatch(hold)
             with contextlib.suppress(Exception):
-                yield backend, "release", (self.key, owner)
+                yield backend, "release_token", (self.key, owner, token)
             if isinstance(exc, Exception):
                 self._failed(called, exc)
             raise
@@ -325,14 +325,21 @@ class DistributedLock(LockAPI):
         watchdog().unwatch(hold)
         if hold.lost:
             with contextlib.suppress(Exception):  # our own leftovers (an expired row, a node), if any
-                yield backend, "drop" if backend.session_bound else "release", (self.key, hold.owner)
+                if backend.session_bound:
+                    yield backend, "drop", (self.key, hold.owner)
+                else:
+                    yield backend, "release_token", (self.key, hold.owner, hold.token)
             raise self._error(LockLost, "was lost while held")
-        # An error here leaves the lease unrenewed: it runs out (a session-bound
-        # backend deletes its node as soon as it can).
-        released = yield backend, "release", (self.key, hold.owner)
+        # An error here leaves the lease unrenewed: it runs out unless the
+        # backend frees it later (a session-bound one deletes its node as soon as it can).
+        try:
+            released = yield backend, "release_token", (self.key, hold.owner, hold.token)
+        except BaseException:
+            backend.release_later(self.key, hold.token)
+            raise
         for _ in range(hold.uncounted if released else 0):
             # Inner holds whose release failed may still count on the server.
-            if not (yield backend, "release", (self.key, hold.owner)):
+            if not (yield backend, "release_token", (self.key, hold.owner, hold.token)):
                 break
         if not released:
             self._lost(hold, "its lease was gone at release")
@@ -346,7 +353,7 @@ class DistributedLock(LockAPI):
         if hold.lost:
             raise self._error(LockLost, "was lost while held")
         try:
-            still_held = yield backend, "release", (self.key, hold.owner)
+            still_held = yield backend, "release_token", (self.key, hold.owner, hold.token)
         except Exception:
             hold.uncounted += 1  # the server may still count it: the last release makes sure
             self._lost_with_session(hold, backend)

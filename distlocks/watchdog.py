@@ -105,7 +105,8 @@ class _Renewer:
 
         started = time.monotonic()
         try:
-            renewed = hold.lock_class.primitives(locks[hold.alias]).extend(hold.key, hold.owner, hold.ttl)
+            backend = hold.lock_class.primitives(locks[hold.alias])
+            renewed = backend.extend_token(hold.key, hold.owner, hold.ttl, hold.token)
         except Exception as exc:
             logger.warning("Could not renew lock %r on %r, retrying: %s", hold.name, hold.alias, exc)
             return time.monotonic() + min(RETRY_INTERVAL, hold.ttl / 10)  # until the lease ends

@@ -172,6 +172,8 @@ class AsyncPrimitives(Protocol):
 
     async def release(self, key: str, owner: Owner) -> bool: ...
 
+    async def release_token(self, key: str, owner: Owner, token: int) -> bool: ...
+
 
 class BaseLockBackend:
     """Primitives a lock server offers; ``DistributedLock`` builds the lock on them.
@@ -263,9 +265,22 @@ class BaseLockBackend:
         """Drop one hold, freeing the lock at zero; False if ``owner`` has no live lease."""
         raise NotImplementedError("subclasses of BaseLockBackend must provide a release() method")
 
+    def release_token(self, key: str, owner: Owner, token: int) -> bool:
+        """``release()`` one hold of ``owner``'s acquisition ``token`` of ``key``: only that acquisition's.
+
+        A backend whose requests may reach the server late (one stuck on a
+        connection after its caller gave up on it) checks the token too, so
+        that a stale release never frees a later acquisition by the same owner.
+        """
+        return self.release(key, owner)
+
     def extend(self, key: str, owner: Owner, ttl: float) -> bool:
         """Renew the lease for ``ttl`` seconds; False if ``owner`` has no live lease."""
         raise NotImplementedError("subclasses of BaseLockBackend must provide an extend() method")
+
+    def extend_token(self, key: str, owner: Owner, ttl: float, token: int) -> bool:
+        """``extend()`` the lease of ``owner``'s acquisition ``token`` of ``key`` only (see ``release_token``)."""
+        return self.extend(key, owner, ttl)
 
     def wait(self, key: str, attempt: int, remaining: float | None) -> None:
         """Block until the lock may be free, at most ``remaining`` seconds.
@@ -327,6 +342,14 @@ class BaseLockBackend:
         False when not known (a lease backend's hold lives on the server).
         """
         return False
+
+    def release_later(self, key: str, token: int) -> None:
+        """The last release of ``key``'s acquisition ``token`` raised (an interrupt, a server that did not answer).
+
+        It may never have reached the server: a backend that can frees that
+        acquisition (and no later one) once the server answers, without
+        blocking the caller. By default its lease runs out.
+        """
 
     def drop(self, key: str, owner: Owner) -> bool:
         """Free ``owner``'s hold of ``key`` whatever its count, without blocking; False if it had none here.

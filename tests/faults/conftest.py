@@ -120,6 +120,13 @@ class FreezableProxy:
         """From now on, drop whatever the connections open now carry, both ways, for good."""
         self.stuck.update(self.sockets[1:])
 
+    def stall_to(self, addresses):
+        """``stall()`` only the connections that the server sees coming from ``addresses`` ("ip:port")."""
+        pairs = list(self.sockets[1:])
+        for client, server in zip(pairs[0::2], pairs[1::2], strict=True):
+            if "{}:{}".format(*server.getsockname()) in addresses:
+                self.stuck.update((client, server))
+
     def close(self):
         self.flowing.set()
         for sock in self.sockets:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -12,6 +13,7 @@ import pytest
 import distlocks
 from distlocks.backends.redis.keys import lock_hash, lock_keys
 from distlocks.handler import locks
+from distlocks.signals import lock_acquired
 from localservers import REDIS_PORT
 from tests.faults.conftest import frozen
 
@@ -168,3 +170,68 @@ def test_a_read_write_side_on_a_frozen_redis_gets_backend_unavailable_in_bounded
     monkeypatch.setattr(aio, "_pool", aio._Pool())  # a pool of its own, started by the first call it runs
     asyncio.run(main())
     assert aio._pool.executor is None, "a call went through the thread pool"
+
+
+@pytest.mark.servers("redis")
+@pytest.mark.parametrize("contended", [False, True])
+@pytest.mark.parametrize("kind", ["lock", "semaphore"])
+def test_a_task_cancelled_at_any_turn_of_the_loop_after_its_take_leaves_the_lock_free(name, kind, contended):
+    """A cancel that lands after the take but before ``acquire()`` returned (while it ends its wait, or leaves the
+    semaphore's queue) gives the lock back: the task, told CancelledError, runs no ``async with`` body to release it."""
+    if kind == "lock":
+        lk, other = distlocks.alock(name, using="redis", ttl=60), distlocks.alock(name, using="redis", ttl=60)
+        held = lk.lock
+        queue = lock_keys(lock_hash(held.key))[2]
+        waiting = lambda: locks["redis"].client.zcard(queue) == 1  # noqa: E731 - in the lock's queue on the server
+    else:
+        lk = distlocks.asemaphore(name, 1, using="redis", ttl=60)
+        other = distlocks.asemaphore(name, 1, using="redis", ttl=60)
+        held = lk.sync.slots[0]
+        waiting = lambda: lk.sync.queue.holder() is not None  # noqa: E731 - first in the semaphore's queue
+    taken_name = held.name
+    taken = threading.Event()  # set on the loop, or in a pool thread (a semaphore's first try)
+
+    def receiver(sender, name, **kwargs):
+        if name == taken_name:
+            taken.set()
+
+    async def take():
+        async with lk:
+            await asyncio.sleep(3600)
+
+    async def hold_until(event):
+        async with other:
+            await event.wait()
+
+    async def main():
+        for turns in range(8):
+            release = asyncio.Event()
+            if contended:
+                holding = asyncio.create_task(hold_until(release))
+                while await asyncio.to_thread(held.holder) is None:
+                    await asyncio.sleep(0.01)
+            taken.clear()
+            task = asyncio.create_task(take())
+            if contended:
+                while not await asyncio.to_thread(waiting):
+                    await asyncio.sleep(0.01)
+                release.set()
+                await holding
+            while not taken.is_set():
+                assert not task.done(), task
+                await asyncio.sleep(0)
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            deadline = time.monotonic() + 5  # far less than the 60 s lease
+            while (holder := await asyncio.to_thread(held.holder)) is not None:
+                assert time.monotonic() < deadline, f"cancelled {turns} loop turns after the take, it left {holder}"
+                await asyncio.sleep(0.02)
+
+    lock_acquired.connect(receiver)
+    try:
+        asyncio.run(main())
+    finally:
+        lock_acquired.disconnect(receiver)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import signal
 import threading
 import time
 from io import StringIO
@@ -20,6 +22,8 @@ from distlocks.handler import locks
 from localservers import REDIS_PORT
 from tests.conftest import DB, Holder
 from tests.faults.conftest import FreezableProxy, free_elsewhere, frozen
+from tests.faults.test_core import until
+from tests.faults.test_interrupts import Interrupted, raising_on
 
 pytestmark = [DB, pytest.mark.servers("redis")]
 
@@ -363,5 +367,139 @@ def test_a_lost_acquire_that_redis_py_sends_again_takes_what_its_first_run_took(
         assert not writable_elsewhere(name, kind)
         lk.release()
         assert writable_elsewhere(name, kind)  # before the fix, a read side's second run held it once more
+    finally:
+        proxy.close()
+
+
+@pytest.mark.parametrize("waiter", ["thread", "task"])
+def test_a_hand_over_published_to_a_black_holed_release_channel_reaches_its_waiter_long_before_the_lease(
+    own_redis, settings, name, waiter
+):
+    """A release channel dropped without a reset (a NAT, a firewall) reads nothing: pinged, it is found dead
+    and resubscribed, and the waiter takes the lock handed to it then, not when its 30 s lease runs out."""
+    server = own_redis(REDIS_PORT + 70 + (waiter == "task"), SOCKET_CONNECT_TIMEOUT=1, SOCKET_TIMEOUT=1)
+    proxy = FreezableProxy(server.port)
+    proxied = {**settings.CACHES["own"], "LOCATION": f"redis://127.0.0.1:{proxy.port}/0"}
+    settings.CACHES = {**settings.CACHES, "proxied": proxied}
+    settings.DISTLOCKS = {**settings.DISTLOCKS, "proxied": {"BACKEND": REDIS, "OPTIONS": {"CACHE": "proxied"}}}
+    client = locks["own"].client
+    queue = keys_of_lock(locks["own"].make_key(name))[2]
+    holder = distlocks.lock(name, using="own", ttl=30)
+    assert holder.acquire(wait=0)
+    taken = []
+
+    def take():  # through the proxy
+        if waiter == "thread":
+            with distlocks.lock(name, using="proxied", ttl=30, wait=60):
+                taken.append(time.monotonic())
+            return
+
+        async def main():
+            async with distlocks.alock(name, using="proxied", ttl=30, wait=60):
+                taken.append(time.monotonic())
+
+        asyncio.run(main())
+
+    thread = threading.Thread(target=take)
+    thread.start()
+    try:
+        until(lambda: client.zcard(queue) == 1)  # queued, its process's channel subscribed
+        proxy.stall_to({entry["addr"] for entry in client.client_list(_type="pubsub")})  # that channel alone
+        released = time.monotonic()
+        holder.release()
+        thread.join(60)
+        assert taken, "the waiter did not get the lock"
+        assert taken[0] - released < 10, f"the waiter took the lock {taken[0] - released:.1f}s after its release"
+    finally:
+        proxy.close()
+        thread.join(60)
+
+
+@pytest.mark.parametrize("fault", ["interrupt", "timeout"])
+def test_a_release_that_never_reached_a_frozen_server_frees_the_lock_once_it_answers(own_redis, name, fault):
+    """A release interrupted (a raising signal handler: Celery's soft time limit) or timed out while it opened a
+    connection to a frozen server was never sent: it is made again once the server answers, not left to the lease."""
+    server = own_redis(REDIS_PORT + 72 + (fault == "timeout"), SOCKET_CONNECT_TIMEOUT=1, SOCKET_TIMEOUT=0.5)
+    lk = distlocks.lock(name, using="own", ttl=30)
+    assert lk.acquire(wait=0)
+    locks["own"].client.connection_pool.disconnect()  # the release opens a connection: its handshake waits
+    with frozen(server):
+        if fault == "timeout":
+            with pytest.raises(distlocks.BackendUnavailable):
+                lk.release()
+        else:
+            with raising_on(signal.SIGALRM):
+                signal.setitimer(signal.ITIMER_REAL, 0.2)  # within the handshake's 0.5 s socket timeout
+                try:
+                    with pytest.raises(Interrupted):
+                        lk.release()
+                finally:
+                    signal.setitimer(signal.ITIMER_REAL, 0)
+    assert lk.hold_count == 0
+    until(lambda: free_elsewhere(name, "own"), seconds=5)  # not after its 30 s lease
+
+
+def test_a_release_that_reaches_the_server_late_leaves_its_owners_next_acquisition_alone(own_redis, settings, name):
+    """A thread's release stuck on a connection (a frozen proxy) times out; its lease runs out, and the thread
+    takes the lock again on another connection. When the old release arrives, it must not free the new hold,
+    which belongs to the same owner (a thread keeps its secret): another thread would get in silently."""
+    server = own_redis(REDIS_PORT + 74, SOCKET_CONNECT_TIMEOUT=1, SOCKET_TIMEOUT=0.5)
+    proxy = FreezableProxy(server.port)
+    proxied = {**settings.CACHES["own"], "LOCATION": f"redis://127.0.0.1:{proxy.port}/0"}
+    settings.CACHES = {**settings.CACHES, "proxied": proxied}
+    settings.DISTLOCKS = {**settings.DISTLOCKS, "proxied": {"BACKEND": REDIS, "OPTIONS": {"CACHE": "proxied"}}}
+    client = locks["own"].client
+    first = distlocks.lock(name, using="proxied", ttl=1, renew=False)
+    again = distlocks.lock(name, using="own", ttl=30)
+    try:
+        with again:
+            pass  # the release script is loaded: the old release will run, not fail with NOSCRIPT
+        assert first.acquire(wait=0)
+        # The proxy's connection to Redis that the release will use (the one the acquire used).
+        stale = {"{}:{}".format(*sock.getsockname()) for sock in proxy.sockets[2::2]}
+        with proxy.frozen():
+            with pytest.raises(distlocks.BackendUnavailable):
+                first.release()  # sent, and held by the proxy; its client gives up on the connection
+            assert again.acquire(wait=10)  # on another connection, once the first lease has run out
+        # Thawed: the old release runs, then its connection ends.
+        until(lambda: not stale & {entry["addr"] for entry in client.client_list()})
+        assert client.hget(lock_hash(again.key), "token") == str(again.token).encode()
+        assert not free_elsewhere(name, "own")
+        assert not again.lost
+        again.release()
+    finally:
+        proxy.close()
+
+
+def test_a_renewal_that_reaches_the_server_late_leaves_its_owners_next_lease_alone(own_redis, settings, name):
+    """The watchdog's renewal of a lease, stuck on a connection (a frozen proxy) until the lease was lost and the
+    thread took the lock again, must not cut the new, longer lease when it arrives: it would run out while the
+    thread (same owner, same secret) still believes it holds the lock."""
+    server = own_redis(REDIS_PORT + 75, SOCKET_CONNECT_TIMEOUT=1, SOCKET_TIMEOUT=2)
+    proxy = FreezableProxy(server.port)
+    proxied = {**settings.CACHES["own"], "LOCATION": f"redis://127.0.0.1:{proxy.port}/0"}
+    settings.CACHES = {**settings.CACHES, "proxied": proxied}
+    settings.DISTLOCKS = {**settings.DISTLOCKS, "proxied": {"BACKEND": REDIS, "OPTIONS": {"CACHE": "proxied"}}}
+    client = locks["own"].client
+
+    def scripts_run():
+        return client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+
+    first = distlocks.lock(name, using="proxied", ttl=1.5)  # renewed through the proxy
+    again = distlocks.lock(name, using="own", ttl=30, renew=False)
+    try:
+        assert not again.extend_detached(1)  # the renewal's script is loaded: it will run late, not fail
+        assert first.acquire(wait=0)
+        with proxy.frozen():
+            until(lambda: first.lost)  # its renewal is held by the proxy
+            with pytest.raises(distlocks.LockLost):
+                first.release()  # (its clean-up opens a connection: its handshake times out, nothing is sent)
+            assert again.acquire(wait=10)
+            before = scripts_run()
+        # Thawed: the late renewal runs.
+        until(lambda: scripts_run() > before)
+        assert client.pttl(lock_hash(again.key)) > 25_000
+        assert not free_elsewhere(name, "own")
+        again.release()
     finally:
         proxy.close()

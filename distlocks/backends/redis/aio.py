@@ -86,6 +86,9 @@ class AsyncRedis:
     async def release(self, key: str, owner: Owner) -> bool:
         return int(await self._call("release", keys_of_lock(key), [owner.secret])) >= 0
 
+    async def release_token(self, key: str, owner: Owner, token: int) -> bool:
+        return int(await self._call("release", keys_of_lock(key), [owner.secret, token])) >= 0
+
 
 class AsyncRedisSide(AsyncRedis):
     """A read-write lock's side (``RedisSide``) as coroutines: its scripts on the same loop's client.
@@ -106,3 +109,6 @@ class AsyncRedisSide(AsyncRedis):
     async def release(self, key: str, owner: Owner) -> bool:
         keys = keys_of_read_write_lock(self.lock_key(key))
         return int(await self._call("rw_release", keys, [owner.secret, self.mode])) >= 0
+
+    async def release_token(self, key: str, owner: Owner, token: int) -> bool:
+        return await self.release(key, owner)  # a side's hold is its owner's (see RedisSide)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from distlocks.backends.base import AsyncTurn, BaseLockBackend
-from distlocks.backends.redis.handover import Waiter, give_back, pass_on
+from distlocks.backends.redis.handover import Silence, Waiter, give_back, pass_on
 from distlocks.backends.redis.keys import keys_of_read_write_lock
 from distlocks.backends.redis.protocol import QueuingBackend
 from distlocks.backends.redis.scripts import Attempt
@@ -96,6 +96,7 @@ class LoopReleases:
         self.wanted = asyncio.Event()  # a task waits: subscribe
         self.reader = asyncio.get_running_loop().create_task(self._read(), name="distlocks-releases")
         self.broken = False
+        self.silence = Silence(self.client)
 
     def enlist(self) -> AsyncWaiter:
         self.wanted.set()
@@ -115,7 +116,11 @@ class LoopReleases:
                 try:
                     if not self.pubsub.subscribed:
                         await self.pubsub.subscribe(self.channel)
-                    message = await self.pubsub.get_message(timeout=1.0)
+                    if self.silence.dead():
+                        await self.pubsub.connection.disconnect()  # the read below reconnects and resubscribes
+                    elif self.waiters and self.silence.to_ping():  # no traffic while no task waits
+                        await self.pubsub.ping()
+                    message = await self.pubsub.get_message(timeout=self.silence.read_for(1.0))
                 except RedisError as exc:  # redis-py reconnects and resubscribes at the next read
                     if not self.broken:  # once per outage, not at every read
                         logger.warning("Redis release channel lost, reconnecting: %s", exc)
@@ -124,6 +129,7 @@ class LoopReleases:
                     continue
                 self.broken = False
                 if message is not None:
+                    self.silence.heard()
                     await self._pass_on(message)
         finally:
             with contextlib.suppress(Exception):

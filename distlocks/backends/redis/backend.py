@@ -198,8 +198,18 @@ class RedisBackend(BaseLockBackend):
     def release(self, key: str, owner: Owner) -> bool:
         return int(self.call("release", keys_of_lock(key), [owner.secret])) >= 0
 
+    def release_token(self, key: str, owner: Owner, token: int) -> bool:
+        return int(self.call("release", keys_of_lock(key), [owner.secret, token])) >= 0
+
     def extend(self, key: str, owner: Owner, ttl: float) -> bool:
         return bool(self.call("extend", [self._hash(key)], [owner.secret, lease_ms(ttl)]))
+
+    def extend_token(self, key: str, owner: Owner, ttl: float, token: int) -> bool:
+        return bool(self.call("extend", [self._hash(key)], [owner.secret, lease_ms(ttl), token]))
+
+    def release_later(self, key: str, token: int) -> None:
+        """Free the acquisition ``token`` of ``key`` once the server answers (see ``strays``), if it is still held."""
+        strays.release_later(lambda: self.client, keys_of_lock(key), token)
 
     def _releases(self) -> Releases:
         releases = self._process_releases  # kept: looked up at every acquire that may wait

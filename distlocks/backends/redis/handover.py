@@ -18,6 +18,12 @@ from distlocks.owner import Owner
 
 logger = logging.getLogger(__name__)
 
+# A release channel silent this long while waiters read it is pinged...
+PING_AFTER = 1.0
+# ... and presumed dead (black-holed: no error, no data) if the pong takes longer than the connection's
+# socket timeout, or this without one.
+ANSWER_WITHIN = 5.0
+
 
 class Waiter:
     """A thread waiting for a lock, woken by the release that hands it the lock, with its token."""
@@ -39,6 +45,51 @@ class Waiter:
         """Where to tell it, who it is, and the lease to hand it the lock with (a read-write lock's: which side)."""
         self.entry = f"{mode}{'|' if mode else ''}{self.channel}|{self.id}|{owner.secret}|{lease_ms}|{owner}"
         return self.entry
+
+
+class Silence:
+    """How long a release channel has been silent: when to ping it, and when it is presumed dead.
+
+    A connection that a NAT or firewall dropped without a reset raises
+    nothing and reads nothing: the hand-overs published to it are lost, and
+    each waiter of the process would learn of its lock only when the lease it
+    was told ran out. A reconnect resubscribes, which makes every waiter try
+    again (and take what was handed to it).
+    """
+
+    def __init__(self, client: Any) -> None:
+        self.answer_within = client.connection_pool.connection_kwargs.get("socket_timeout") or ANSWER_WITHIN
+        self.heard_at = time.monotonic()
+        self.pinged_at: float | None = None
+        self.gone = False  # presumed dead since it was last heard (warned once)
+
+    def heard(self) -> None:
+        self.heard_at = time.monotonic()
+        self.pinged_at = None
+        self.gone = False
+
+    def to_ping(self) -> bool:
+        """Whether to ping now (silent for PING_AFTER, and not pinged since)."""
+        now = time.monotonic()
+        if self.pinged_at is None and now - self.heard_at >= PING_AFTER:
+            self.pinged_at = now
+            return True
+        return False
+
+    def dead(self) -> bool:
+        """Whether the last ping went unanswered for too long (then it starts counting again)."""
+        if self.pinged_at is None or time.monotonic() - self.pinged_at <= self.answer_within:
+            return False
+        if not self.gone:  # once per outage, not at every reconnect
+            logger.warning("Redis release channel silent %.1fs after a PING: reconnecting", self.answer_within)
+        self.gone = True
+        self.heard_at, self.pinged_at = time.monotonic(), None
+        return True
+
+    def read_for(self, timeout: float) -> float:
+        """How long to read at most (``timeout``, or less) before looking at the silence again."""
+        due = self.heard_at + PING_AFTER if self.pinged_at is None else self.pinged_at + self.answer_within
+        return max(0.01, min(timeout, due - time.monotonic()))
 
 
 class Releases:
@@ -64,6 +115,7 @@ class Releases:
         self.subscribing = False
         self.subscribed = threading.Event()
         self.broken = False
+        self.silence = Silence(client)
         self.forgotten = False  # in a forked child: the parent's
 
     def enlist(self) -> Waiter:
@@ -102,7 +154,12 @@ class Releases:
     def _read(self, timeout: float) -> None:
         """Read one message, waiting at most ``timeout`` seconds, and pass it to the waiter it is for."""
         try:
-            message = self.pubsub.get_message(timeout=timeout)  # subscribed already: enlist() subscribes
+            if self.silence.dead():
+                self.pubsub.connection.disconnect()  # the read below reconnects and resubscribes
+            elif self.silence.to_ping():
+                self.pubsub.ping()
+            # Subscribed already: enlist() subscribes.
+            message = self.pubsub.get_message(timeout=self.silence.read_for(timeout))
         except Exception as exc:  # the connection broke: redis-py reconnects and resubscribes
             if not self.broken:  # once per outage, not at every read
                 logger.warning("Redis release channel lost, reconnecting: %s", exc)
@@ -112,6 +169,7 @@ class Releases:
         self.broken = False
         if message is None:
             return
+        self.silence.heard()
         with self.lock:
             gone = pass_on(message, self.waiters, self.subscribed)
         if gone is not None:

@@ -131,12 +131,13 @@ return 1
 """
 
 # KEYS[1] the lock hash, KEYS[2] its fencing counter, KEYS[3] its waiters' queue
-# ARGV[1] the owner's secret
+# ARGV[1] the owner's secret; ARGV[2] (if given) the token of the acquisition to release: a release that
+# reaches the server late (after its caller gave up on it) never frees the owner's later acquisition
 # return the holds left (0: released and passed on), -1 if the owner does not hold it
 RELEASE = (
     """
-local owner, count = unpack(redis.call('HMGET', KEYS[1], 'owner', 'count'))
-if owner ~= ARGV[1] then return -1 end
+local owner, count, token = unpack(redis.call('HMGET', KEYS[1], 'owner', 'count', 'token'))
+if owner ~= ARGV[1] or (ARGV[2] and tonumber(token) ~= tonumber(ARGV[2])) then return -1 end
 if tonumber(count) > 1 then return redis.call('HINCRBY', KEYS[1], 'count', -1) end
 redis.call('DEL', KEYS[1])
 if redis.call('EXISTS', KEYS[3]) == 0 then return 0 end
@@ -182,10 +183,12 @@ return give_back((owner == ARGV[2] and attempt == ARGV[1] and count == '1') or (
 """
 )
 
-# KEYS[1] the lock hash / ARGV[1] the owner's secret, ARGV[2] the lease in ms
+# KEYS[1] the lock hash / ARGV[1] the owner's secret, ARGV[2] the lease in ms; ARGV[3] (if given) the
+# token of the acquisition to renew: a renewal that reaches the server late never cuts the owner's later one
 # return 1 if renewed, 0 if the owner does not hold it
 EXTEND = """
-if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
+local owner, token = unpack(redis.call('HMGET', KEYS[1], 'owner', 'token'))
+if owner ~= ARGV[1] or (ARGV[3] and tonumber(token) ~= tonumber(ARGV[3])) then return 0 end
 return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 """
 

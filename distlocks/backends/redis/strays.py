@@ -14,7 +14,8 @@ nothing if it runs later (the server remembers the id for its lease plus a
 minute). It never touches a hold the owner had before, nor anyone else's. A
 read-write lock's sides are voided alike (``rwscripts.RW_VOID``): the hold of
 the side the attempt took, if it shows that attempt, and a writer's entry in
-the queue, which would keep new readers out.
+the queue, which would keep new readers out. A lock's last release that
+raised (``release_later``) is made again alike, by the acquisition's token.
 """
 
 from __future__ import annotations
@@ -74,6 +75,11 @@ class Stray:
     script: str = "void"
     since: float = field(default_factory=time.monotonic)
 
+    @property
+    def what(self) -> str:
+        """What was lost, for the log."""
+        return "a release" if self.script == "force_release" else "an acquire"
+
 
 class Voids:
     """One server's strays (one connection pool's), voided in order by a daemon thread that runs while any is pending.
@@ -125,12 +131,13 @@ class Voids:
             except connection_errors() as exc:
                 if time.monotonic() - stray.since < GIVE_UP:
                     return
-                logger.warning("Gave up voiding an acquire of %s whose answer was lost: %s", stray.keys[0], exc)
+                logger.warning("Gave up undoing %s of %s whose answer was lost: %s", stray.what, stray.keys[0], exc)
             except Exception as exc:
-                logger.warning("Could not void an acquire of %s whose answer was lost: %s", stray.keys[0], exc)
+                logger.warning("Could not undo %s of %s whose answer was lost: %s", stray.what, stray.keys[0], exc)
             else:
                 if released:
-                    logger.info("Gave back %s, taken by an acquire whose answer was lost", stray.keys[0])
+                    how = "left held by" if stray.script == "force_release" else "taken by"
+                    logger.info("Gave back %s, %s %s whose answer was lost", stray.keys[0], how, stray.what)
             with self.lock:
                 if self.pending and self.pending[0] is stray:  # else dropped meanwhile (MAX_PENDING)
                     self.pending.popleft()
@@ -171,10 +178,26 @@ def unanswered(
     except Exception as exc:  # no client to void it on: its lease ends it
         logger.warning("Cannot void an acquire of %s whose answer was lost: %s", keys[0], exc)
     else:
-        with _voids_lock:
-            voids = _voids.setdefault(getattr(stray.client, "connection_pool", stray.client), Voids())
-        voids.add(stray)
+        _add(stray)
     return unreachable
+
+
+def release_later(client: Callable[[], Any], keys: Sequence[str], token: int) -> None:
+    """A lock's last release raised (an interrupt, a server that did not answer): it may never have reached the
+    server. Free that acquisition, by its ``token``, once the server answers, as a stray acquire is voided: a
+    release that did run meanwhile (or a lock taken anew, with a larger token) leaves it nothing to do."""
+    try:
+        stray = Stray(client(), keys, [token], "force_release")
+    except Exception as exc:  # no client to release it on: its lease ends it
+        logger.warning("Cannot release %s later: %s", keys[0], exc)
+        return
+    _add(stray)
+
+
+def _add(stray: Stray) -> None:
+    with _voids_lock:
+        voids = _voids.setdefault(getattr(stray.client, "connection_pool", stray.client), Voids())
+    voids.add(stray)
 
 
 def _reset_after_fork() -> None:
