@@ -8,6 +8,8 @@ import shutil
 import subprocess
 import time
 
+import redis
+
 REDIS_PORT = int(os.environ.get("DISTLOCKS_TEST_REDIS_PORT", "16379"))
 # The Redlock nodes: five independent servers on the next ports.
 REDLOCK_PORTS = [REDIS_PORT + 1 + i for i in range(5)]
@@ -18,7 +20,6 @@ def redis_url(port: int = REDIS_PORT) -> str:
 
 
 def answers(port: int) -> bool:
-    import redis  # here, not at the top: every tests.worker process imports this module, most never use Redis
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
