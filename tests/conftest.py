@@ -93,6 +93,83 @@ def _freeze_what_the_session_keeps():
     gc.unfreeze()
 
 
+class _Flushes:
+    """Skip the flush of a test database that a test left as the flush would leave it.
+
+    Django's TransactionTestCase flushes every database of a test after it:
+    it empties every table, then the post_migrate signal inserts the content
+    types and permissions again. On three databases that is some 0.7 s a test,
+    and most tests write nothing there (a released lock deletes its row).
+    ``pristine()`` checks what the flush would change: every table it empties
+    is empty, and the content types and permissions are those a flush left
+    (taken after this session's first flush of the database). Otherwise the
+    database is flushed as before.
+    """
+
+    def __init__(self):
+        self.tables = {}  # database alias: the tables the flush empties but for the two below
+        self.after_flush = {}  # database alias: its content types and permissions after a flush
+
+    def post_migrate_rows(self, alias):
+        from django.contrib.auth.models import Permission
+        from django.contrib.contenttypes.models import ContentType
+
+        kinds = ContentType.objects.using(alias).values_list("app_label", "model")
+        permissions = Permission.objects.using(alias).values_list(
+            "content_type__app_label", "content_type__model", "codename", "name"
+        )
+        return sorted(kinds), sorted(permissions)
+
+    def pristine(self, alias):
+        if alias not in self.after_flush:
+            return False
+        connection = connections[alias]
+        if alias not in self.tables:
+            from django.contrib.auth.models import Permission
+            from django.contrib.contenttypes.models import ContentType
+
+            kept = {ContentType._meta.db_table, Permission._meta.db_table}
+            names = connection.introspection.django_table_names(only_existing=True, include_views=False)
+            self.tables[alias] = sorted(set(names) - kept)
+        quote = connection.ops.quote_name
+        query = " UNION ALL ".join(
+            f"SELECT 1 FROM (SELECT 1 AS x FROM {quote(table)} LIMIT 1) AS t{i}"
+            for i, table in enumerate(self.tables[alias])
+        )
+        with connection.cursor() as cursor:
+            cursor.execute(query)
+            if cursor.fetchall():
+                return False
+        return self.post_migrate_rows(alias) == self.after_flush[alias]
+
+    def teardown(self, test_case, flush):
+        """In place of ``TransactionTestCase._fixture_teardown`` (``flush``): flush only the databases that need it."""
+        if test_case.available_apps is not None or test_case.serialized_rollback or test_case.reset_sequences:
+            flush(test_case)
+            return
+        names = [alias for alias in test_case._databases_names(include_mirrors=False) if not self.pristine(alias)]
+        if not names:
+            return
+        test_case._databases_names = lambda include_mirrors=True: names  # flush() flushes these alone
+        try:
+            flush(test_case)
+        finally:
+            del test_case._databases_names
+        for alias in names:
+            self.after_flush.setdefault(alias, self.post_migrate_rows(alias))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _flush_only_what_changed():
+    from django.test import TransactionTestCase
+
+    flush = TransactionTestCase._fixture_teardown
+    flushes = _Flushes()
+    TransactionTestCase._fixture_teardown = lambda test_case: flushes.teardown(test_case, flush)
+    yield
+    TransactionTestCase._fixture_teardown = flush
+
+
 @pytest.fixture(autouse=True)
 def _collect_garbage(request):
     """Collect the test's garbage in its own teardown: a pipe or socket it left open is then a ResourceWarning

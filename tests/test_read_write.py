@@ -13,7 +13,7 @@ import distlocks
 from distlocks.inspection import clear_expired, force_release, held_locks
 from distlocks.owner import current_owner
 
-from .conftest import DB
+from .conftest import DB, wait_until
 from .test_lock import in_thread
 
 pytestmark = DB
@@ -194,13 +194,39 @@ def test_a_waiting_writer_blocks_new_readers_until_it_gives_up(alias, leave_noth
 
 
 @pytest.mark.parametrize("alias", ["default"], indirect=True)
-def test_a_table_reader_may_wait_longer_than_a_thousand_polls(alias, leave_nothing, name):
-    # The table backend polls every 10-20 ms: 25 s is well past the 1024th poll, where
-    # a backoff of 1 ms * 2**attempt (before its exponent was capped) is too large for a float.
+def test_a_table_reader_may_wait_longer_than_a_thousand_polls(alias, leave_nothing, name, monkeypatch):
+    # At the 1024th poll a backoff of 1 ms * 2**attempt (before its exponent was capped) is too
+    # large for a float. The table backend pauses 10-20 ms between polls: that is 10-20 s of
+    # waiting, so the pauses are cut to at most 1 ms here, and the polls counted.
+    from distlocks.backends.db import backend
+
+    polls = []
+    pause = backend.sleep
+
+    def short_pause(delay, deadline):
+        polls.append(delay)
+        return pause(min(delay, 0.001), deadline)
+
+    monkeypatch.setattr(backend, "sleep", short_pause)
     writer = side(alias, name, "write")
     assert writer.acquire(wait=0)
-    assert in_thread(lambda: side(alias, name, "read").acquire(wait=25)) is False
+    result = {}
+
+    def read():
+        try:
+            result["read"] = (reader := side(alias, name, "read")).acquire(wait=120)
+            reader.release()
+        except Exception as exc:
+            result["read"] = exc
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    wait_until(lambda: len(polls) > 1100 or not thread.is_alive(), timeout=120)
+    assert "read" not in result  # still waiting, past its 1100th poll
     writer.release()
+    thread.join(30)
+    assert result["read"] is True
+    assert len(polls) > 1100
 
 
 @pytest.mark.parametrize("alias", RW_ALIASES, indirect=True)

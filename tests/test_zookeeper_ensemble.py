@@ -8,7 +8,7 @@ import pytest
 
 from localservers import ZooKeeperServer, zk_answers
 
-from .conftest import DB, ZK_PORT, guarded_events
+from .conftest import DB, ZK_PORT, guarded_events, wait_until
 
 pytestmark = DB
 
@@ -47,21 +47,31 @@ def wait_for_quorum(servers, timeout=60):
 
 def test_never_two_holders_while_a_follower_then_the_leader_stop(ensemble, workers, tmp_path, name, monkeypatch):
     monkeypatch.setenv("DISTLOCKS_TEST_ZK_ENSEMBLE", CONNECT)
-    log = tmp_path / "events"
+    log, stop = tmp_path / "events", tmp_path / "stop"
     log.touch()
-    running = [workers("guarded", "zk_ensemble", name, 24, log) for _ in range(3)]
-    time.sleep(4)
+    running = [workers("guarded", "zk_ensemble", name, 240, log, stop) for _ in range(3)]
+
+    def entered_since(moment):
+        """The workers that entered the critical section after ``moment`` (so far: whole lines only)."""
+        text = log.read_text()
+        lines = text.splitlines()[: text.count("\n")]
+        return {pid for event, pid, at, *_ in map(str.split, lines) if event == "enter" and float(at) > moment}
+
+    wait_until(lambda: len(entered_since(0)) == 3, timeout=60)
     follower = next(server for server in ensemble if server.mode() == "follower")
     follower.stop()
     stopped_follower = time.monotonic()
-    time.sleep(4)
+    # Those that were connected to it too: they went on on the others.
+    wait_until(lambda: len(entered_since(stopped_follower)) == 3, timeout=60)
     leader = next(server for server in ensemble if server.mode() == "leader")
     leader.stop()
     stopped_leader = time.monotonic()
-    time.sleep(4)
+    time.sleep(4)  # no quorum meanwhile, for as long as a session's timeout (SESSION_TIMEOUT)
     follower.start(wait=False)
     leader.start(wait=False)
     restarted = time.monotonic()
+    wait_until(lambda: entered_since(restarted), timeout=90)
+    stop.touch()
     for worker in running:
         assert worker.finish(timeout=120) == ["done"]
     events = guarded_events(log)

@@ -141,8 +141,8 @@ def take_in_turn(alias: str, name: str, kind: str, label: str, log: str) -> None
     say("done")
 
 
-def guarded(alias: str, name: str, seconds: str, log: str) -> None:
-    """Enter and leave a critical section under the lock for ``seconds``, logging each.
+def guarded(alias: str, name: str, seconds: str, log: str, stop: str = "") -> None:
+    """Enter and leave a critical section under the lock for ``seconds`` (or until the file ``stop`` exists), logging each.
 
     Errors (an ensemble without quorum) are logged and retried: the parent
     checks that no two processes were ever inside at once.
@@ -155,7 +155,7 @@ def guarded(alias: str, name: str, seconds: str, log: str) -> None:
             events.write(" ".join(map(str, [event, os.getpid(), f"{time.monotonic():.3f}", *more])) + "\n")
             events.flush()
 
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not (stop and os.path.exists(stop)):
             try:
                 if not lock.acquire():
                     continue
