@@ -147,9 +147,13 @@ def test_a_database_without_the_migrations_says_to_migrate_it(settings, backend,
     settings.DISTLOCKS = {"unmigrated": {"BACKEND": backend, "OPTIONS": {"DATABASE": database}}}
     advice = f"database '{database}' has no distlocks tables: run `python manage.py migrate --database {database}`"
     with renamed(database, table):
-        [warning] = unanswered([locks["unmigrated"]])
-        assert warning.id == "distlocks.W014"
-        assert advice in warning.msg
+        warnings = unanswered([locks["unmigrated"]])
+        if database == "default":  # a plain migrate migrates it: a new project checked before it gets no warning
+            assert warnings == []
+        else:
+            [warning] = warnings
+            assert warning.id == "distlocks.W014"
+            assert advice in warning.msg
         with pytest.raises(ImproperlyConfigured, match=re.escape(advice)):
             distlocks.lock(name, using="unmigrated", wait=0).acquire()
         assert advice in held_locks(["unmigrated"]).errors["unmigrated"]

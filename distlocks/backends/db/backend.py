@@ -312,7 +312,7 @@ class DatabaseBackend(QueuedBackend):
 
             self._run(select)
 
-        return unmigrated_warning(self.alias, Lock._meta.db_table, ask)
+        return unmigrated_warning(self.alias, self.database, Lock._meta.db_table, ask)
 
     def check(self) -> list[checks.CheckMessage]:
         if self.database not in connections:

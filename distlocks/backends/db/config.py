@@ -44,9 +44,19 @@ def unmigrated(alias: str, database: str) -> Unmigrated:
     )
 
 
-def unmigrated_warning(alias: str, table: str, ask: Callable[[str], object]) -> list[checks.CheckMessage]:
-    """For a backend's ``ping()``: W014 if ``ask(sql)`` finds ``table`` missing (``manage.py check`` may run before
-    ``migrate``, so a warning, not an error)."""
+def unmigrated_warning(
+    alias: str, database: str, table: str, ask: Callable[[str], object]
+) -> list[checks.CheckMessage]:
+    """For a backend's ``ping()``: W014 if ``ask(sql)`` finds ``table`` missing in ``database``.
+
+    A warning, not an error: ``manage.py check`` may run before ``migrate``.
+    Never for the default database, which a plain ``migrate`` migrates (a new
+    project checked before its first ``migrate`` gets no warning); the other
+    databases a ``DISTLOCKS`` entry names need ``migrate --database``, which is
+    easily forgotten.
+    """
+    if database == DEFAULT_DB_ALIAS:
+        return []
     try:
         ask(f"SELECT 1 FROM {table} WHERE 1 = 0")
     except Unmigrated as exc:

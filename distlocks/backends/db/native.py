@@ -427,7 +427,7 @@ class NativeLockBackend(BaseLockBackend):
 
     def ping(self) -> list[checks.CheckMessage]:
         return self._on_any(self.sql_warnings) + unmigrated_warning(
-            self.alias, TABLE, lambda sql: self._on_any(lambda cursor: cursor.execute(sql))
+            self.alias, self.database, TABLE, lambda sql: self._on_any(lambda cursor: cursor.execute(sql))
         )
 
     def check(self) -> list[checks.CheckMessage]:
