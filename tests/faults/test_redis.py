@@ -231,6 +231,15 @@ def taken_by_another_thread(make_lock, wait):
     return result[0]
 
 
+def proxied_alias(settings, server):
+    """Make lock alias "proxied": ``server`` (alias "own") reached through a FreezableProxy; return the proxy."""
+    proxy = FreezableProxy(server.port)
+    proxied = {**settings.CACHES["own"], "LOCATION": f"redis://127.0.0.1:{proxy.port}/0"}
+    settings.CACHES = {**settings.CACHES, "proxied": proxied}
+    settings.DISTLOCKS = {**settings.DISTLOCKS, "proxied": {"BACKEND": REDIS, "OPTIONS": {"CACHE": "proxied"}}}
+    return proxy
+
+
 def taken_elsewhere(name, wait):
     """Whether another thread takes the lock ``name`` on the alias "own" within ``wait`` seconds."""
     return taken_by_another_thread(lambda: distlocks.lock(name, using="own", ttl=30), wait)
@@ -378,10 +387,7 @@ def test_a_hand_over_published_to_a_black_holed_release_channel_reaches_its_wait
     """A release channel dropped without a reset (a NAT, a firewall) reads nothing: pinged, it is found dead
     and resubscribed, and the waiter takes the lock handed to it then, not when its 30 s lease runs out."""
     server = own_redis(REDIS_PORT + 70 + (waiter == "task"), SOCKET_CONNECT_TIMEOUT=1, SOCKET_TIMEOUT=1)
-    proxy = FreezableProxy(server.port)
-    proxied = {**settings.CACHES["own"], "LOCATION": f"redis://127.0.0.1:{proxy.port}/0"}
-    settings.CACHES = {**settings.CACHES, "proxied": proxied}
-    settings.DISTLOCKS = {**settings.DISTLOCKS, "proxied": {"BACKEND": REDIS, "OPTIONS": {"CACHE": "proxied"}}}
+    proxy = proxied_alias(settings, server)
     client = locks["own"].client
     queue = keys_of_lock(locks["own"].make_key(name))[2]
     holder = distlocks.lock(name, using="own", ttl=30)
@@ -444,10 +450,7 @@ def test_a_release_that_reaches_the_server_late_leaves_its_owners_next_acquisiti
     takes the lock again on another connection. When the old release arrives, it must not free the new hold,
     which belongs to the same owner (a thread keeps its secret): another thread would get in silently."""
     server = own_redis(REDIS_PORT + 74, SOCKET_CONNECT_TIMEOUT=1, SOCKET_TIMEOUT=0.5)
-    proxy = FreezableProxy(server.port)
-    proxied = {**settings.CACHES["own"], "LOCATION": f"redis://127.0.0.1:{proxy.port}/0"}
-    settings.CACHES = {**settings.CACHES, "proxied": proxied}
-    settings.DISTLOCKS = {**settings.DISTLOCKS, "proxied": {"BACKEND": REDIS, "OPTIONS": {"CACHE": "proxied"}}}
+    proxy = proxied_alias(settings, server)
     client = locks["own"].client
     first = distlocks.lock(name, using="proxied", ttl=1, renew=False)
     again = distlocks.lock(name, using="own", ttl=30)
@@ -476,10 +479,7 @@ def test_a_renewal_that_reaches_the_server_late_leaves_its_owners_next_lease_alo
     thread took the lock again, must not cut the new, longer lease when it arrives: it would run out while the
     thread (same owner, same secret) still believes it holds the lock."""
     server = own_redis(REDIS_PORT + 75, SOCKET_CONNECT_TIMEOUT=1, SOCKET_TIMEOUT=2)
-    proxy = FreezableProxy(server.port)
-    proxied = {**settings.CACHES["own"], "LOCATION": f"redis://127.0.0.1:{proxy.port}/0"}
-    settings.CACHES = {**settings.CACHES, "proxied": proxied}
-    settings.DISTLOCKS = {**settings.DISTLOCKS, "proxied": {"BACKEND": REDIS, "OPTIONS": {"CACHE": "proxied"}}}
+    proxy = proxied_alias(settings, server)
     client = locks["own"].client
 
     def scripts_run():
