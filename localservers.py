@@ -10,7 +10,16 @@ import time
 
 import redis
 
-REDIS_PORT = int(os.environ.get("DISTLOCKS_TEST_REDIS_PORT", "16379"))
+
+def _worker_offset() -> int:
+    """Each pytest-xdist worker (gw0, gw1, ...) starts servers of its own, 100 ports above the last one's.
+
+    The processes the tests start inherit PYTEST_XDIST_WORKER, so they reach their worker's servers.
+    """
+    return 100 * int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+
+
+REDIS_PORT = int(os.environ.get("DISTLOCKS_TEST_REDIS_PORT", "16379")) + _worker_offset()
 # The Redlock nodes: five independent servers on the next ports.
 REDLOCK_PORTS = [REDIS_PORT + 1 + i for i in range(5)]
 
@@ -61,7 +70,7 @@ class RedisServer:
         self.start()
 
 
-ZK_PORT = int(os.environ.get("DISTLOCKS_TEST_ZK_PORT", "12181"))
+ZK_PORT = int(os.environ.get("DISTLOCKS_TEST_ZK_PORT", "12181")) + _worker_offset()
 ZK_JAR = "/usr/share/java/zookeeper.jar"  # Debian's zookeeper package
 
 

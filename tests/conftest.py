@@ -17,6 +17,8 @@ from django.db import connections
 import distlocks
 from distlocks.backends.db import close_connections
 from localservers import REDIS_PORT, REDLOCK_PORTS, ZK_PORT, RedisServer, ZooKeeperServer, answers, zk_answers
+from tests.cleanup import Cleanup
+from tests.zygote import Template
 
 ROOT = Path(__file__).resolve().parent.parent
 DB_ALIASES = ["default", "mariadb", "postgresql"]
@@ -82,6 +84,18 @@ def alias(request):
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _empty_only_what_tests_wrote():
+    """Between transactional tests, empty the tables a test wrote to instead of flushing every database (cleanup.py)."""
+    from django.test import TransactionTestCase
+
+    flush = TransactionTestCase._fixture_teardown
+    cleanup = Cleanup(flush)
+    TransactionTestCase._fixture_teardown = lambda test_case: cleanup.teardown(test_case)
+    yield
+    TransactionTestCase._fixture_teardown = flush
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _freeze_what_the_session_keeps():
     """Leave what exists before the first test (modules, classes, the collected tests) out of later collections.
 
@@ -135,14 +149,39 @@ def worker_env():
     return env
 
 
-class Worker:
-    """A ``tests.worker`` process, read line by line."""
+# The template that forks the tests.worker processes of this pytest process (tests/zygote.py).
+_templates: list[Template] = []
 
-    def __init__(self, *arguments, prefix=()):
-        self.process = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "tests.worker", *map(str, arguments)],
+
+def _template(env):
+    if not _templates or _templates[-1].process.poll() is not None:
+        _templates.append(Template(env))
+    return _templates[-1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_the_template():
+    yield
+    for template in _templates:
+        template.stop()
+
+
+class Worker:
+    """A ``tests.worker`` process, read line by line.
+
+    Forked from the template that has imported it already (tests/zygote.py), unless
+    it needs a fresh interpreter: a ``prefix`` command, ``fresh=True`` (a test of
+    what a new process does first), or an environment other than the template's.
+    """
+
+    def __init__(self, *arguments, prefix=(), fresh=False):
+        arguments = [str(argument) for argument in arguments]
+        env = worker_env()
+        forked = None if prefix or fresh else _template(env).spawn(arguments, env)
+        self.process = forked or subprocess.Popen(
+            [*prefix, sys.executable, "-m", "tests.worker", *arguments],
             cwd=ROOT,
-            env=worker_env(),
+            env=env,
             stdout=subprocess.PIPE,
             text=True,
         )

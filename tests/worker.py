@@ -480,8 +480,8 @@ def queue_and_fork(alias: str, name: str, kind: str = "sync") -> None:
     time.sleep(3600)
 
 
-if __name__ == "__main__":
-    scenario, *arguments = sys.argv[1:]
+def main(argv: list[str]) -> None:
+    scenario, *arguments = argv
     scenarios: dict[str, Callable[..., None]] = {
         "async_counter": async_counter,
         "async_kind": async_kind,
@@ -509,3 +509,7 @@ if __name__ == "__main__":
         "take_permit": take_permit,
     }
     scenarios[scenario](*arguments)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
