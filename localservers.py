@@ -8,8 +8,6 @@ import shutil
 import subprocess
 import time
 
-import redis
-
 REDIS_PORT = int(os.environ.get("DISTLOCKS_TEST_REDIS_PORT", "16379"))
 # The Redlock nodes: five independent servers on the next ports.
 REDLOCK_PORTS = [REDIS_PORT + 1 + i for i in range(5)]
@@ -20,6 +18,9 @@ def redis_url(port: int = REDIS_PORT) -> str:
 
 
 def answers(port: int) -> bool:
+    # Imported here, not at the top: the test settings import this module, and a new process's
+    # first Redlock acquire must pay for ``import redis`` as a user's process does.
+    import redis
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
