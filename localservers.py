@@ -8,9 +8,6 @@ import shutil
 import subprocess
 import time
 
-import redis
-
-
 def _worker_offset() -> int:
     """Each pytest-xdist worker (gw0, gw1, ...) starts servers of its own, 100 ports above the last one's.
 
@@ -29,6 +26,9 @@ def redis_url(port: int = REDIS_PORT) -> str:
 
 
 def answers(port: int) -> bool:
+    # Imported here, not at the top: the test settings import this module, and a new process's
+    # first Redlock acquire must pay for ``import redis`` as a user's process does.
+    import redis
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 

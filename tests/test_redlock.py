@@ -85,6 +85,14 @@ def test_a_failed_attempt_leaves_nothing_behind(nodes, name):
     assert other_thread_acquires(name) is True
 
 
+@pytest.mark.parametrize("ttl", [1, 0.5])
+@pytest.mark.parametrize("kind", ["lock", "permit", "multi", "async"])
+def test_a_new_process_takes_a_short_lease_at_its_first_acquire(nodes, name, workers, kind, ttl):
+    # Its first acquire imports redis-py (a quarter of a second here) and connects to the five nodes:
+    # none of that may count against the lease's tenth that a node has to answer in.
+    assert workers("first_take", kind, "redlock", name, ttl).finish() == ["fresh", "acquired"]
+
+
 @pytest.mark.parametrize("caches", [None, [], "r1", ["r1", "r1"], [1, 2]])
 def test_bad_caches_option(settings, caches):
     options = {} if caches is None else {"CACHES": caches}

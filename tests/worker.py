@@ -388,6 +388,41 @@ def take_rounds(alias: str, name: str, go: str) -> None:
             time.sleep(0.005)
 
 
+def first_take(kind: str, alias: str, name: str, ttl: str) -> None:
+    """This process's first lock call: take ``kind`` ("lock", "permit" of a semaphore, "multi" lock, "async" lock)
+    once, wait=0, with ``ttl`` (not renewed: the acquire is what is looked at), and give it back; say whether
+    the Redis driver was imported before it, then "acquired" or "busy" (or "error" and the exception)."""
+    import asyncio
+
+    imported = "imported" if "redis" in sys.modules else "fresh"
+    lease = float(ttl)
+
+    async def take_async() -> bool:
+        lock = distlocks.alock(name, using=alias, ttl=lease, renew=False)
+        if taken := await lock.acquire(wait=0):
+            await lock.release()
+        return taken
+
+    def take_sync(lock: LockAPI) -> bool:
+        if taken := lock.acquire(wait=0):
+            lock.release()
+        return taken
+
+    try:
+        if kind == "async":
+            taken = asyncio.run(take_async())
+        elif kind == "permit":
+            taken = take_sync(distlocks.semaphore(name, 2, using=alias, ttl=lease, renew=False))
+        elif kind == "multi":
+            taken = take_sync(distlocks.multi_lock([f"{name}-a", f"{name}-b"], using=alias, ttl=lease, renew=False))
+        else:
+            taken = take_sync(distlocks.lock(name, using=alias, ttl=lease, renew=False))
+    except distlocks.LockError as exc:
+        say(imported, "error", type(exc).__name__, exc)
+        return
+    say(imported, "acquired" if taken else "busy")
+
+
 def take(alias: str, name: str, wait: str) -> None:
     """Try to take the lock once within ``wait`` seconds and report the token."""
     lock = distlocks.lock(name, using=alias, ttl=30, wait=float(wait))
@@ -488,6 +523,7 @@ def main(argv: list[str]) -> None:
         "counter": counter,
         "fenced_holder": fenced_holder,
         "fenced_race": fenced_race,
+        "first_take": first_take,
         "fork": fork,
         "guarded": guarded,
         "hold_permit": hold_permit,

@@ -9,7 +9,11 @@ nodes being down or restarted empty; with a majority down nothing can be
 acquired: ``LockNotAcquired`` after ``wait``, or ``BackendUnavailable`` when not
 even a majority of nodes answers.
 
-The nodes are asked at once, each by a daemon thread of its own per process,
+Before its first timed round, an acquire connects this process to the nodes
+(``_connect``: the driver's imports, TCP, its handshake), waiting at most
+``CONNECT_SECONDS`` (or a tenth of the lease, if longer) and only until a
+majority is connected; neither the rounds' deadline nor the lock's validity
+counts that time. The nodes are asked at once, each by a daemon thread of its own per process,
 and a call waits for a node at most a tenth of the lease
 (``NODE_DEADLINE_SHARE``), returning as soon as the answers settle it: a node
 that hangs (a black hole: connections accepted, never answered) costs at most
@@ -58,12 +62,15 @@ from django.core.exceptions import ImproperlyConfigured
 
 from distlocks.backends.base import BaseLockBackend, LockInfo
 from distlocks.backends.redis import RedisBackend
-from distlocks.backends.redlock_workers import LATE, PENDING, Call, Failed, Round, submit
+from distlocks.backends.redlock_workers import LATE, PENDING, Call, Failed, Round, connected, submit
 from distlocks.exceptions import BackendUnavailable
 from distlocks.owner import Owner
 
 #: How long a call waits for a node, as a share of the lease: a node that answers later counts as failing.
 NODE_DEADLINE_SHARE = 0.1
+#: How long an acquire waits at most for nodes this process has not connected to yet (or a tenth of the
+#: lease, if longer), before its timed round: connecting to a node that never answers costs this once.
+CONNECT_SECONDS = 1.0
 #: How long ``ping`` waits for the nodes, and the inspection and maintenance calls.
 PING_SECONDS = 2.0
 INSPECT_SECONDS = 10.0
@@ -85,6 +92,15 @@ def _settled(need: int) -> Callable[[list[Any]], bool]:
         return yes >= need or (no > len(answers) - need and yes + no >= need)
 
     return settled
+
+
+def _connect(node: RedisBackend) -> bool:
+    """Open a connection to ``node`` (TCP, the driver's handshake), and look at it as its first call would."""
+    client = node.client
+    client.ping()
+    node._inspect(client)  # its eviction policy, once per process and server
+    connected.add(node.cache)
+    return True
 
 
 class _LateTakes:
@@ -193,7 +209,28 @@ class RedlockBackend(BaseLockBackend):
                 alias=self.alias,
             )
 
+    def _connect(self, ttl: float) -> None:
+        """Connect to the nodes this process has not reached yet, until a majority is connected, before a timed round.
+
+        A round's deadline (a tenth of the lease) and the lock's validity
+        count from when the takes are sent; connecting (in a new process, the
+        driver's import: a quarter of a second) must count against neither.
+        The clients are made here, in the calling thread (no I/O: redis-py
+        connects at the first command); each node's thread then opens its
+        connection (a PING), and this waits ``CONNECT_SECONDS`` at most (or the
+        round's deadline, if longer): BackendUnavailable if a majority did not answer.
+        """
+        cold = [index for index, node in enumerate(self.nodes) if node.cache not in connected]
+        need = self.quorum - (len(self.nodes) - len(cold))
+        if need <= 0:
+            return
+        for index in cold:
+            self.nodes[index].client  # noqa: B018  (the imports and the client; their errors raise here)
+        answers = self._ask(_connect, max(CONNECT_SECONDS, self._deadline(ttl)), _settled(need), nodes=cold)
+        self._answered(answers + [True] * (len(self.nodes) - len(cold)))
+
     def try_acquire(self, key: str, owner: Owner, ttl: float) -> int | None:
+        self._connect(ttl)
         late = _LateTakes(key, owner)
         try:
             return self._try_acquire(key, owner, ttl, late)

@@ -243,10 +243,15 @@ _backlogs: dict[str, NodeBacklog] = {}
 _backlogs_lock = threading.Lock()
 
 
+#: The caches whose node this process has connected to (``RedlockBackend`` does, before its first round).
+connected: set[str] = set()
+
+
 def _forget_after_fork() -> None:
     global _backlogs_lock
     _backlogs_lock = threading.Lock()
     _backlogs.clear()
+    connected.clear()  # the driver makes new connections in a child
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)

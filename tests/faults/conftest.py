@@ -71,11 +71,13 @@ class FreezableProxy:
 
     ``frozen()`` passes nothing on, like a hung server; ``stalled()`` black-holes
     only the connections open now (a NAT or firewall that dropped their state)
-    while new ones flow.
+    while new ones flow. With ``connect_delay``, each new connection passes
+    nothing on for that many seconds first (a long link's handshakes).
     """
 
-    def __init__(self, port):
+    def __init__(self, port, connect_delay=0.0):
         self.target = port
+        self.connect_delay = connect_delay
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.flowing = threading.Event()
@@ -90,10 +92,21 @@ class FreezableProxy:
                 client, _ = self.listener.accept()
             except OSError:
                 return
+            if self.connect_delay:  # the next connection is accepted meanwhile
+                threading.Thread(target=self._open, args=(client,), daemon=True).start()
+            else:
+                self._open(client)
+
+    def _open(self, client):
+        time.sleep(self.connect_delay)
+        try:
             server = socket.create_connection(("127.0.0.1", self.target))
-            self.sockets += [client, server]
-            for source, sink in ((client, server), (server, client)):
-                threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
+        except OSError:  # the server is gone (the test is over)
+            client.close()
+            return
+        self.sockets += [client, server]
+        for source, sink in ((client, server), (server, client)):
+            threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
 
     def _pipe(self, source, sink):
         with contextlib.suppress(OSError):

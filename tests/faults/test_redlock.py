@@ -7,6 +7,7 @@ import signal
 import statistics
 import threading
 import time
+import uuid
 
 import pytest
 from django_redis import get_redis_connection
@@ -14,7 +15,7 @@ from django_redis import get_redis_connection
 import distlocks
 from distlocks.backends import redlock_workers
 from distlocks.backends.redis.keys import keys_of_lock
-from distlocks.backends.redlock import NODE_DEADLINE_SHARE
+from distlocks.backends.redlock import CONNECT_SECONDS, NODE_DEADLINE_SHARE
 from distlocks.handler import locks
 from distlocks.owner import current_owner
 from localservers import REDIS_PORT, RedisServer, answers
@@ -46,6 +47,24 @@ class Nodes:
         settings.DISTLOCKS = {
             **settings.DISTLOCKS,
             "rl": {"BACKEND": "distlocks.backends.redlock.RedlockBackend", "OPTIONS": {"CACHES": list(caches)}},
+        }
+
+    def connect(self):
+        """Connect this process to the five now, as one that has been running has: a test that then
+        freezes a majority exercises the rounds, not the first acquire's connecting (``own_caches``)."""
+        with distlocks.lock(f"connect-{uuid.uuid4().hex}", using="rl", ttl=5):
+            pass
+
+    def own_caches(self, settings, prefix, ports=PORTS):
+        """Make "rl" lock on cache aliases of the test's own (``prefix``-n1...) at ``ports``: this process has not reached them."""
+        caches = {
+            f"{prefix}-n{i}": {**settings.CACHES[f"n{i}"], "LOCATION": f"redis://127.0.0.1:{port}/0"}
+            for i, port in enumerate(ports, 1)
+        }
+        settings.CACHES = {**settings.CACHES, **caches}
+        settings.DISTLOCKS = {
+            **settings.DISTLOCKS,
+            "rl": {**settings.DISTLOCKS["rl"], "OPTIONS": {"CACHES": list(caches)}},
         }
 
     def client(self, index):
@@ -146,6 +165,45 @@ def test_two_black_holed_nodes_cost_at_most_a_deadline_not_a_socket_timeout(node
     assert timed(lambda: locks["rl"].extend(lk.key, current_owner(), ttl))
     timed(lk.release)
     assert timed(lambda: free_elsewhere(name, "rl")) is True
+
+
+@pytest.mark.parametrize("ttl", [1, 0.5])
+def test_connecting_to_the_nodes_counts_against_no_lease(nodes, settings, name, ttl):
+    # Five healthy nodes that take 0.3 s to connect to (the handshakes of a long link), more than
+    # a tenth of the lease: the connections are made before the timed round, which they answer in time.
+    proxies = [FreezableProxy(port, connect_delay=0.3) for port in PORTS]
+    try:
+        nodes.own_caches(settings, name, [proxy.port for proxy in proxies])
+        lk = distlocks.lock(name, using="rl", ttl=ttl, renew=False)
+        assert lk.acquire(wait=0)
+        assert free_elsewhere(name, "rl") is False
+        lk.release()
+    finally:
+        for proxy in proxies:
+            proxy.close()
+
+
+@LONG_SOCKET_TIMEOUT
+def test_nodes_black_holed_at_the_first_connection_cost_at_most_the_connect_bound(nodes, settings, name):
+    ttl = 1.0
+    nodes.freeze(3, 4)
+    nodes.own_caches(settings, f"{name}-a")  # not reached yet: the first acquire connects
+    started = time.monotonic()
+    lk = distlocks.lock(name, using="rl", ttl=ttl, renew=False)
+    assert lk.acquire(wait=0)  # three connected: it does not wait for the other two
+    assert time.monotonic() - started < CONNECT_SECONDS
+    lk.release()
+    nodes.thaw(3, 4)
+    nodes.freeze(0, 1, 2)
+    nodes.own_caches(settings, f"{name}-b")
+    started = time.monotonic()
+    with pytest.raises(distlocks.BackendUnavailable, match="only 2 of 5 Redis nodes answer, 3 are needed"):
+        distlocks.lock(name, using="rl", ttl=ttl).acquire(wait=0)
+    assert CONNECT_SECONDS <= time.monotonic() - started < CONNECT_SECONDS + 1.0  # not the 10 s socket timeout
+    assert nodes.holding(lk.key) == set()  # nothing was taken
+    nodes.thaw(0, 1, 2)  # their connections are made now
+    with distlocks.lock(name, using="rl", ttl=ttl, wait=5):
+        assert len(nodes.holding(lk.key)) >= 3
 
 
 @LONG_SOCKET_TIMEOUT
@@ -444,6 +502,7 @@ def test_an_acquire_interrupted_while_a_majority_is_frozen_leaves_no_hold(nodes,
     # frozen nodes run when they thaw are given back too, long before the ttl.
     ttl = 60.0  # a round lasts 6 s: time enough to interrupt it
     key = locks["rl"].make_key(name)
+    nodes.connect()
     nodes.freeze(0, 1, 2)
     lk = distlocks.lock(name, using="rl", ttl=ttl)
     interrupter = interrupt_main_when(lambda: nodes.holding(key) == {3, 4})
