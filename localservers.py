@@ -25,6 +25,8 @@ def answers(port: int) -> bool:
 
     try:  # no retries: redis-py 8 retries a refused connection for seconds by default
         return bool(redis.Redis(port=port, socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0)).ping())
+    except redis.AuthenticationError:  # a Redis with a password (--requirepass) answers too
+        return True
     except redis.RedisError:
         return False
 
