@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import time
 
+
 def _worker_offset() -> int:
     """Each pytest-xdist worker (gw0, gw1, ...) starts servers of its own, 100 ports above the last one's.
 
@@ -34,6 +35,8 @@ def answers(port: int) -> bool:
 
     try:  # no retries: redis-py 8 retries a refused connection for seconds by default
         return bool(redis.Redis(port=port, socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0)).ping())
+    except redis.AuthenticationError:  # a Redis with a password (--requirepass) answers too
+        return True
     except redis.RedisError:
         return False
 

@@ -25,6 +25,9 @@ from distlocks.multi import MultiLock, multi_lock
 from distlocks.rwlock import ReadWriteLock, read_write_lock
 from distlocks.semaphore import Semaphore, semaphore
 
+#: The release, as ``pip show distlocks`` and the commands' ``--version`` give it.
+__version__ = "0.1.0"
+
 __all__ = [
     "AsyncDistributedLock",
     "AsyncMultiLock",

@@ -97,11 +97,12 @@ def _unknown(where: str, key: Any, names: tuple[str, ...], backend_class: type |
 
 
 def unanswered(backends: list[BaseLockBackend], seconds: float = PING_SECONDS) -> list[checks.CheckMessage]:
-    """Warn about each backend whose server gives no answer within ``seconds`` (all pinged at once).
+    """Warn about each backend whose server fails or gives no answer within ``seconds`` (all pinged at once).
 
     A warning, not an error: a server may come up after the project does, and
-    until then its locks raise BackendUnavailable. The warnings a server's
-    answer gave (its ``ping()``'s) come first.
+    until then its locks raise BackendUnavailable. A failure is named as the
+    server or driver said it (a wrong password, no such database). The
+    warnings a server's answer gave (its ``ping()``'s) come first.
     """
     failures: dict[str, str] = {}
     answered: set[str] = set()
@@ -113,6 +114,8 @@ def unanswered(backends: list[BaseLockBackend], seconds: float = PING_SECONDS) -
             answered.add(backend.alias)
         except (LockError, ImproperlyConfigured) as exc:
             failures[backend.alias] = str(exc)
+        except Exception as exc:  # a driver's error that a backend let through: a warning too, not a thread's traceback
+            failures[backend.alias] = f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}"
 
     threads = [threading.Thread(target=ping, args=(backend,), daemon=True) for backend in backends]
     deadline = time.monotonic() + seconds
@@ -123,8 +126,8 @@ def unanswered(backends: list[BaseLockBackend], seconds: float = PING_SECONDS) -
     done = set(answered)  # as it was at the deadline: a late answer must not drop a warning
     return [message for backend in backends if backend.alias in done for message in found[backend.alias]] + [
         checks.Warning(
-            f"DISTLOCKS[{backend.alias!r}]: the server does not answer: "
-            f"{failures.get(backend.alias, f'no answer within {seconds:g} s')}",
+            f"DISTLOCKS[{backend.alias!r}]: "
+            f"{failures.get(backend.alias, f'the server gives no answer within {seconds:g} s')}",
             hint=f"Is it running at {backend.address}? Until it answers, locks on {backend.alias!r} "
             "raise BackendUnavailable.",
             id="distlocks.W004",

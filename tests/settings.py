@@ -39,6 +39,14 @@ DATABASES: dict[str, dict[str, Any]] = {
     # Nothing listens there: for BackendUnavailable.
     "mariadb_down": {**database("mariadb", "nowhere"), "HOST": "127.0.0.1", "PORT": "1"},
     "postgresql_down": {**database("postgresql", "nowhere"), "HOST": "127.0.0.1", "PORT": "1"},
+    # Servers that refuse: for BackendUnavailable naming what they said (no such user, no such database).
+    "mariadb_denied": {
+        **database("mariadb", "distlocks_tests"),
+        "USER": "distlocks_nobody",
+        "PASSWORD": "hunter2-s3cret",
+    },
+    "mariadb_missing": database("mariadb", f"distlocks_missing_{RUN}"),
+    "postgresql_missing": database("postgresql", f"distlocks_missing_{RUN}"),
 }
 # Worker processes started by the tests use the test databases of their parent.
 for _alias, _name in json.loads(os.environ.get("DISTLOCKS_TEST_DATABASES", "{}")).items():

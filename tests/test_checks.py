@@ -106,8 +106,8 @@ def test_servers_that_do_not_answer_are_warned_about_with_their_address(settings
     assert "redis://127.0.0.1:1/0" in messages["DISTLOCKS['redis']"].hint
     assert "is unavailable" in messages["DISTLOCKS['redis']"].msg
     assert "Is it running at 127.0.0.1:1?" in messages["DISTLOCKS['zookeeper']"].hint
-    assert (
-        "1 of 3 Redis nodes do not answer (redis://127.0.0.1:1/0); 2 are needed" in messages["DISTLOCKS['redlock']"].msg
+    assert "1 of 3 Redis nodes do not answer, 2 are needed to lock (redis://127.0.0.1:1/0: " in (
+        messages["DISTLOCKS['redlock']"].msg
     )
 
 

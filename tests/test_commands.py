@@ -9,6 +9,7 @@ import sys
 import time
 from io import StringIO
 
+import django
 import pytest
 from django.core.management import CommandError, call_command
 from django.db import connections
@@ -217,3 +218,12 @@ def test_oversell_rejects_an_unknown_strategy():
 def test_oversell_rejects_pauses_it_cannot_show(arguments, error):
     with pytest.raises(CommandError, match=re.escape(error)):
         call_command("oversell", *arguments)
+
+
+@pytest.mark.parametrize("command", ["distlocks_cleanup", "distlocks_list", "distlocks_release", "distlocks_verify"])
+def test_version_is_distlocks_and_djangos(command, capsys):
+    with pytest.raises(SystemExit) as info:
+        call_command(command, "--version")
+    assert info.value.code == 0
+    assert capsys.readouterr().out == f"distlocks {distlocks.__version__} (Django {django.get_version()})\n"
+    assert re.fullmatch(r"\d+\.\d+\.\d+", distlocks.__version__)

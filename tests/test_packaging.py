@@ -11,6 +11,7 @@ import tarfile
 import zipfile
 from email.parser import Parser
 
+import distlocks
 from tests.conftest import ROOT
 
 # What a project needs of the package besides its modules.
@@ -73,7 +74,7 @@ def test_wheel_and_sdist_install_in_a_fresh_virtualenv(tmp_path):
     assert set(DATA) <= in_wheel
     assert not any(name.startswith(("tests/", "demo_shop/", "bench/")) for name in in_wheel)
     assert meta["Name"] == "distlocks"
-    assert meta["Version"] == "0.1.0"
+    assert meta["Version"] == distlocks.__version__ == "0.1.0"  # read from distlocks/__init__.py
     assert meta["License-Expression"] == "MIT"
     assert any(name.endswith("licenses/LICENSE") for name in in_wheel)
     assert "prometheus" in meta.get_all("Provides-Extra")

@@ -103,6 +103,16 @@ def _connect(node: RedisBackend) -> bool:
     return True
 
 
+def _cause(error: Exception | None) -> str:
+    """What a node that failed said: the driver's error (a node's BackendUnavailable chains it), or nothing in time."""
+    if error is None:
+        return "no answer in time"
+    said: BaseException = error
+    if isinstance(error, BackendUnavailable) and error.__cause__ is not None:
+        said = error.__cause__
+    return str(said) or type(said).__name__
+
+
 class _LateTakes:
     """The takes of one acquire that answered after it went on: kept if it acquired, else undone.
 
@@ -203,10 +213,8 @@ class RedlockBackend(BaseLockBackend):
     def _answered(self, answers: list[Any]) -> None:
         answered = sum(not isinstance(answer, Failed) for answer in answers)
         if answered < self.quorum:
-            raise BackendUnavailable(
-                f"Redlock {self.alias!r}: only {answered} of {len(self.nodes)} Redis nodes answer, "
-                f"{self.quorum} are needed",
-                alias=self.alias,
+            raise self._unavailable(
+                f"only {answered} of {len(self.nodes)} Redis nodes answer, {self.quorum} are needed", answers
             )
 
     def _connect(self, ttl: float) -> None:
@@ -228,6 +236,16 @@ class RedlockBackend(BaseLockBackend):
             self.nodes[index].client  # noqa: B018  (the imports and the client; their errors raise here)
         answers = self._ask(_connect, max(CONNECT_SECONDS, self._deadline(ttl)), _settled(need), nodes=cold)
         self._answered(answers + [True] * (len(self.nodes) - len(cold)))
+
+    def _unavailable(self, what: str, answers: list[Any]) -> BackendUnavailable:
+        """BackendUnavailable saying ``what``, then what each node that failed said; the first one's error chained."""
+        failed = [
+            (node, answer) for node, answer in zip(self.nodes, answers, strict=True) if isinstance(answer, Failed)
+        ]
+        said = "; ".join(f"{node.address}: {_cause(answer.error)}" for node, answer in failed)
+        error = BackendUnavailable(f"Redlock {self.alias!r}: {what} ({said})", alias=self.alias)
+        error.__cause__ = next((answer.error for _, answer in failed if answer.error is not None), None)
+        return error
 
     def try_acquire(self, key: str, owner: Owner, ttl: float) -> int | None:
         self._connect(ttl)
@@ -369,12 +387,10 @@ class RedlockBackend(BaseLockBackend):
         Otherwise return the nodes' warnings about their configuration.
         """
         answers = self._ask(lambda node: node.ping() or [], PING_SECONDS)
-        down = [node.address for node, answer in zip(self.nodes, answers, strict=True) if isinstance(answer, Failed)]
+        down = sum(isinstance(answer, Failed) for answer in answers)
         if down:
-            raise BackendUnavailable(
-                f"Redlock {self.alias!r}: {len(down)} of {len(self.nodes)} Redis nodes do not answer ({', '.join(down)}); "
-                f"{self.quorum} are needed to lock",
-                alias=self.alias,
+            raise self._unavailable(
+                f"{down} of {len(self.nodes)} Redis nodes do not answer, {self.quorum} are needed to lock", answers
             )
         return [message for found in answers for message in found]
 

@@ -25,7 +25,7 @@ from distlocks.backends.redis.keys import (
 from distlocks.backends.redis.scripts import Attempt, ScriptCall, registered
 from distlocks.backends.redis.server import (
     TIMEOUTS,
-    connection_errors,
+    driver_errors,
     eviction_policy,
     inspected,
     lease_ms,
@@ -90,15 +90,17 @@ class RedisBackend(BaseLockBackend):
 
     def unavailable(self, exc: Exception) -> BackendUnavailable:
         return BackendUnavailable(
-            f"Redis of cache {self.cache!r} for locks on {self.alias!r} is unavailable: {exc}", alias=self.alias
+            f"Redis of cache {self.cache!r} ({self.address}) for locks on {self.alias!r} is unavailable: "
+            f"{str(exc) or type(exc).__name__}",
+            alias=self.alias,
         )
 
     @contextlib.contextmanager
     def _reaching(self) -> Iterator[None]:
-        """Turn the driver's connection errors into BackendUnavailable."""
+        """Turn the driver's errors into BackendUnavailable (see ``driver_errors``)."""
         try:
             yield
-        except connection_errors() as exc:
+        except driver_errors() as exc:
             raise self.unavailable(exc) from exc
 
     def call(self, script: str, keys: Sequence[str], args: list[Any]) -> Any:
@@ -377,7 +379,7 @@ class RedisBackend(BaseLockBackend):
             return
         try:
             policy = eviction_policy(client)
-        except connection_errors():
+        except driver_errors():
             return  # the call that follows says it; look again at the next first use
         self.inspected(policy)
 

@@ -16,6 +16,19 @@ def connection_errors() -> tuple[type[Exception], ...]:
     return ConnectionError, TimeoutError
 
 
+def driver_errors() -> tuple[type[Exception], ...]:
+    """Every error of the driver, which a lock call raises as BackendUnavailable (the driver's error chained).
+
+    A server it cannot reach (``connection_errors()``), and one that answered
+    with an error: a wrong password or DB index (``AuthenticationError``,
+    ``ResponseError: DB index is out of range``), a script it refused (OOM,
+    READONLY), or something else than Redis at the address (``InvalidResponse``).
+    """
+    from redis.exceptions import RedisError
+
+    return (RedisError,)
+
+
 #: The cache OPTIONS that bound how long a Redis that does not answer makes a call wait.
 TIMEOUTS = ("SOCKET_CONNECT_TIMEOUT", "SOCKET_TIMEOUT")
 

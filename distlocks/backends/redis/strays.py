@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
 from distlocks.backends.redis.scripts import registered
-from distlocks.backends.redis.server import connection_errors
+from distlocks.backends.redis.server import connection_errors, driver_errors
 
 logger = logging.getLogger(__name__)
 
@@ -160,17 +160,17 @@ def unanswered(
 ) -> TypeGuard[Exception]:
     """After a script call raised ``error``: void it if it was an acquire that the server may run still.
 
-    Return whether ``error`` is the driver's for a server it could not reach
-    (the caller raises BackendUnavailable). A ``ResponseError`` is the server's
+    Return whether ``error`` is the driver's (see ``driver_errors``: the
+    caller raises BackendUnavailable). A ``ResponseError`` is the server's
     answer (the script failed there): nothing to void.
     """
-    unreachable = isinstance(error, connection_errors())
+    driver_error = isinstance(error, driver_errors())
     if script not in VOIDS:
-        return unreachable
+        return driver_error
     from redis.exceptions import ResponseError
 
     if isinstance(error, ResponseError):
-        return unreachable
+        return driver_error
     void, lease_at, entry_at = VOIDS[script]
     entry = args[entry_at] if len(args) > entry_at else ""
     try:
@@ -179,7 +179,7 @@ def unanswered(
         logger.warning("Cannot void an acquire of %s whose answer was lost: %s", keys[0], exc)
     else:
         _add(stray)
-    return unreachable
+    return driver_error
 
 
 def release_later(client: Callable[[], Any], keys: Sequence[str], token: int) -> None:

@@ -5,14 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 
 from distlocks.exceptions import LockError
 from distlocks.handler import locks
 from distlocks.inspection import clear_expired
+from distlocks.management.base import DistlocksCommand
 
 
-class Command(BaseCommand):
+class Command(DistlocksCommand):
     help = "Delete the state that expired locks leave behind (database rows, unused Redis counters); print how many."
 
     def add_arguments(self, parser: CommandParser) -> None:

@@ -7,9 +7,10 @@ from datetime import datetime, timezone
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 
 from distlocks.inspection import held_locks
+from distlocks.management.base import DistlocksCommand
 
 COLUMNS = ("alias", "key", "kind", "owner", "hold_count", "token", "lease_left", "waiters")
 
@@ -20,7 +21,7 @@ def _cell(value: Any) -> str:
     return f"{value:.1f}s" if isinstance(value, float) else str(value)
 
 
-class Command(BaseCommand):
+class Command(DistlocksCommand):
     help = "Print the locks held right now (as the admin shows them); exit 1 if a backend could not be asked."
 
     def add_arguments(self, parser: CommandParser) -> None:

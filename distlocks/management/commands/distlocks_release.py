@@ -5,14 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 
 from distlocks.exceptions import LockError
 from distlocks.handler import DEFAULT_ALIAS
 from distlocks.inspection import READ_WRITE, force_release, holder, prefixed_key
+from distlocks.management.base import DistlocksCommand
 
 
-class Command(BaseCommand):
+class Command(DistlocksCommand):
     help = (
         "Force-release the lock KEY (as distlocks_list shows it), whoever holds it. "
         "Its holder gets LockLost when it next renews or releases."

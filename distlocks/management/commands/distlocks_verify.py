@@ -12,12 +12,13 @@ from typing import IO, Any
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 from django.db import DatabaseError
 
 from distlocks.backends.locmem import LocMemBackend
 from distlocks.exceptions import LockError
 from distlocks.handler import locks
+from distlocks.management.base import DistlocksCommand
 from distlocks.verify.history import Verdict, check, timeline
 from distlocks.verify.runner import FAULTS, Outcome, Plan, VerifyError, run
 
@@ -32,7 +33,7 @@ def _faults(value: str) -> tuple[str, ...]:
     return kinds
 
 
-class Command(BaseCommand):
+class Command(DistlocksCommand):
     help = (
         "Run processes that take one lock in a loop and increment a counter under it, inject faults "
         "into them, and check the history; exit 1 if a violation was found."
