@@ -10,11 +10,13 @@ import time
 
 
 def _worker_offset() -> int:
-    """Each pytest-xdist worker (gw0, gw1, ...) starts servers of its own, 100 ports above the last one's.
+    """Each pytest-xdist worker (gw0, gw1, ...) starts servers of its own, 500 ports above the last one's.
 
-    The processes the tests start inherit PYTEST_XDIST_WORKER, so they reach their worker's servers.
+    A worker's tests use the ports from REDIS_PORT and ZK_PORT up to +104 and +349; with up to
+    seven workers the ZooKeeper ports stay below the Redis ones. The processes the tests start
+    inherit PYTEST_XDIST_WORKER, so they reach their worker's servers.
     """
-    return 100 * int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    return 500 * int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
 
 
 REDIS_PORT = int(os.environ.get("DISTLOCKS_TEST_REDIS_PORT", "16379")) + _worker_offset()

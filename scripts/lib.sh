@@ -85,3 +85,25 @@ ensure_databases() {
     wait_for pg_isready -q -h 127.0.0.1
   fi
 }
+
+# Run a command and note how long it took, for print_times.
+STEP_TIMES=()
+timed() {
+  local started=$SECONDS
+  "$@"
+  STEP_TIMES+=("$((SECONDS - started)) s	$*")
+}
+
+# The time of every step run through timed, and of the whole script.
+print_times() {
+  echo "Steps (wall time):"
+  printf '  %s\n' "${STEP_TIMES[@]}" | cut -c1-100
+  echo "  $SECONDS s	in all"
+}
+
+# Run a command ($2...) showing its output and keeping it in the file $1.
+pass_log() {
+  local log="$1"
+  shift
+  "$@" 2>&1 | tee "$log"
+}

@@ -211,8 +211,8 @@ class Worker:
 def workers():
     started = []
 
-    def start(*arguments):
-        worker = Worker(*arguments)
+    def start(*arguments, fresh=False):
+        worker = Worker(*arguments, fresh=fresh)
         started.append(worker)
         return worker
 

@@ -228,6 +228,12 @@ def children(pid):
         return [int(child) for child in listed.read().split()]
 
 
+def signal_masks(pid):
+    """The signals process ``pid`` ignores, blocks and catches (/proc/PID/status), for a failure's message."""
+    with open(f"/proc/{pid}/status") as status:
+        return " ".join(line.strip() for line in status if line.startswith(("SigIgn", "SigBlk", "SigCgt")))
+
+
 def state(pid):
     try:
         with open(f"/proc/{pid}/stat") as stat:
@@ -254,7 +260,7 @@ def test_ctrl_c_or_sigterm_during_a_pause_ends_every_process_and_drops_the_table
         ]
         + ["--ttl", "1", "--no-renew", "--faults", "pause"],
         cwd=ROOT,
-        env=worker_env(),
+        env={**worker_env(), "PYTHONFAULTHANDLER": "1"},  # SIGABRT prints where it is stuck
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -267,7 +273,14 @@ def test_ctrl_c_or_sigterm_during_a_pause_ends_every_process_and_drops_the_table
             time.sleep(0.02)
         workers = children(command.pid)
         command.send_signal(number)
-        command.wait(30)
+        try:
+            command.wait(30)
+        except subprocess.TimeoutExpired:
+            masks = signal_masks(command.pid)
+            command.send_signal(signal.SIGABRT)
+            pytest.fail(
+                f"the command ({masks}) did not end within 30 s of signal {number}: {command.communicate(10)[1]}"
+            )
     finally:
         if command.poll() is None:
             command.kill()

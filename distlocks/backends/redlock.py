@@ -96,8 +96,9 @@ def _settled(need: int) -> Callable[[list[Any]], bool]:
 
 def _connect(node: RedisBackend) -> bool:
     """Open a connection to ``node`` (TCP, the driver's handshake), and look at it as its first call would."""
-    client = node.client
-    client.ping()
+    with node._reaching():  # a node's error is BackendUnavailable naming it, as its lock calls' are
+        client = node.client
+        client.ping()
     node._inspect(client)  # its eviction policy, once per process and server
     connected.add(node.cache)
     return True
@@ -234,8 +235,14 @@ class RedlockBackend(BaseLockBackend):
             return
         for index in cold:
             self.nodes[index].client  # noqa: B018  (the imports and the client; their errors raise here)
-        answers = self._ask(_connect, max(CONNECT_SECONDS, self._deadline(ttl)), _settled(need), nodes=cold)
-        self._answered(answers + [True] * (len(self.nodes) - len(cold)))
+        answers: list[Any] = [True] * len(self.nodes)  # in the nodes' order, as _answered names them
+        for index, answer in zip(
+            cold,
+            self._ask(_connect, max(CONNECT_SECONDS, self._deadline(ttl)), _settled(need), nodes=cold),
+            strict=True,
+        ):
+            answers[index] = answer
+        self._answered(answers)
 
     def _unavailable(self, what: str, answers: list[Any]) -> BackendUnavailable:
         """BackendUnavailable saying ``what``, then what each node that failed said; the first one's error chained."""

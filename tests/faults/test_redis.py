@@ -59,9 +59,9 @@ def test_tokens_keep_increasing_when_redis_restarts_from_a_stale_snapshot(own_re
     assert take(name) > max(tokens)
 
 
-@pytest.mark.parametrize(("port", "policy"), [(REDIS_PORT + 81, "allkeys-lru"), (REDIS_PORT + 82, "volatile-ttl")])
-def test_an_evicting_redis_is_reported_by_check_and_at_first_use(own_redis, settings, caplog, name, port, policy):
-    own_redis(port)
+@pytest.mark.parametrize(("offset", "policy"), [(81, "allkeys-lru"), (82, "volatile-ttl")])  # ids alike on each worker
+def test_an_evicting_redis_is_reported_by_check_and_at_first_use(own_redis, settings, caplog, name, offset, policy):
+    own_redis(REDIS_PORT + offset)
     settings.DISTLOCKS = {"own": settings.DISTLOCKS["own"]}  # the checks ping this alias only
     get_redis_connection("own").config_set("maxmemory-policy", policy)
     [warning] = [message for message in check_distlocks() if message.id == "distlocks.W011"]
