@@ -89,9 +89,10 @@ ensure_databases() {
 # Run a command and note how long it took, for print_times.
 STEP_TIMES=()
 timed() {
-  local started=$SECONDS
-  "$@"
+  local started=$SECONDS status=0
+  "$@" || status=$?
   STEP_TIMES+=("$((SECONDS - started)) s	$*")
+  return $status
 }
 
 # The time of every step run through timed, and of the whole script.

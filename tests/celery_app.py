@@ -76,7 +76,7 @@ def retrying(item: str, log: str, seconds: float = 1.0) -> int:
 def in_steps(self: LockedTask, item: str, log: str) -> int:
     if self.request.retries == 0:
         note(log, "first")
-        raise self.retry(countdown=1.5)
+        raise self.retry(countdown=3)  # the test looks at the lock between the two: time for it on a loaded machine
     note(log, "second")
     return int(self.request.retries)
 

@@ -51,7 +51,8 @@ class CeleryWorker:
             "--without-heartbeat", "--loglevel=WARNING", *options,
         ]  # fmt: skip
         # No system checks: the test settings name databases that are down on purpose.
-        env = {**worker_env(), "CELERY_SKIP_CHECKS": "1"}
+        # PYTHONFAULTHANDLER: stacks() makes every process of it print its threads' stacks.
+        env = {**worker_env(), "CELERY_SKIP_CHECKS": "1", "PYTHONFAULTHANDLER": "1"}
         self.process = subprocess.Popen(command, cwd=ROOT, env=env, start_new_session=True)
         deadline = time.monotonic() + 60
         try:
@@ -61,6 +62,13 @@ class CeleryWorker:
         except BaseException:
             self.kill()  # no fixture knows of it yet
             raise
+
+    def stacks(self) -> None:
+        """Make the worker and its pool's processes print their threads' stacks on stderr (they end then)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGABRT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(5)
 
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):  # the group is gone once all of it has ended
@@ -173,8 +181,9 @@ def test_the_lock_is_held_across_the_tasks_own_retries(celery_workers, log, name
     result = in_steps.apply_async((name, log), queue=queue)
     wait_until(lambda: [event for event, *_ in events(log)] == ["first"] if os.path.exists(log) else False)
     # Between the two executions nobody else gets the lock.
-    assert workers("take", "redis", f"steps:{name}", 0).finish() == ["busy"]
     assert "task " + result.id in held("redis", f"steps:{name}").owner
+    assert workers("take", "redis", f"steps:{name}", 0).finish() == ["busy"]
+    assert [event for event, *_ in events(log)] == ["first"], "the retry ran before the test looked: not between"
     assert result.get(timeout=30) == 1
     (first, first_pid, _), (second, second_pid, _) = events(log)
     assert (first, second) == ("first", "second")
@@ -268,8 +277,14 @@ def test_dedupe_at_enqueue_returns_the_queued_tasks_result(celery_workers, log, 
     assert held(alias, f"dedupe:dedupe:{name}").owner.endswith(f" task {first.id}")
     # Only that task's identity can release its marker.
     assert not locks[alias].release(marker, task_owner(other.id, shared=True))
-    celery_workers(1, 2, "-Q", queue)
-    wait_until(lambda: held(alias, f"dedupe:{name}") is not None, timeout=60)  # a worker starting on a loaded machine
+    [worker] = celery_workers(1, 2, "-Q", queue)
+    try:
+        wait_until(
+            lambda: held(alias, f"dedupe:{name}") is not None, timeout=60
+        )  # a worker starting on a loaded machine
+    except AssertionError:
+        worker.stacks()  # where it is stuck: in the captured stderr
+        raise
     assert send(name, log, 1.0).id == first.id  # running
     first.get(timeout=30)
     other.get(timeout=30)
