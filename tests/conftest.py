@@ -18,7 +18,7 @@ import distlocks
 from distlocks.backends.db import close_connections
 from localservers import REDIS_PORT, REDLOCK_PORTS, ZK_PORT, RedisServer, ZooKeeperServer, answers, zk_answers
 from tests.cleanup import Cleanup
-from tests.zygote import Template
+from tests.zygote import Template, without_ignored
 
 ROOT = Path(__file__).resolve().parent.parent
 DB_ALIASES = ["default", "mariadb", "postgresql"]
@@ -149,20 +149,25 @@ def worker_env():
     return env
 
 
-# The template that forks the tests.worker processes of this pytest process (tests/zygote.py).
-_templates: list[Template] = []
+# The templates that fork the tests.worker processes of this pytest process (tests/zygote.py), by
+# environment: a test that changes os.environ gets one of its own, a few at most.
+_templates: dict[frozenset, Template] = {}
 
 
 def _template(env):
-    if not _templates or _templates[-1].process.poll() is not None:
-        _templates.append(Template(env))
-    return _templates[-1]
+    key = frozenset(without_ignored(env).items())
+    template = _templates.get(key)
+    if template is None or template.process.poll() is not None:
+        if template is None and len(_templates) >= 3:
+            return None
+        template = _templates[key] = Template(env)
+    return template
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _stop_the_template():
+def _stop_the_templates():
     yield
-    for template in _templates:
+    for template in _templates.values():
         template.stop()
 
 
@@ -177,7 +182,8 @@ class Worker:
     def __init__(self, *arguments, prefix=(), fresh=False):
         arguments = [str(argument) for argument in arguments]
         env = worker_env()
-        forked = None if prefix or fresh else _template(env).spawn(arguments, env)
+        template = None if prefix or fresh else _template(env)
+        forked = template.spawn(arguments, env) if template else None
         self.process = forked or subprocess.Popen(
             [*prefix, sys.executable, "-m", "tests.worker", *arguments],
             cwd=ROOT,

@@ -108,13 +108,13 @@ class Template:
             connection.connect(self.path)
             request = json.dumps({"argv": arguments, "env": env}).encode() + b"\n"
             socket.send_fds(connection, [request], [write_end, 2])
-        except BaseException:
+            return ForkedProcess([sys.executable, "-m", "tests.worker", *arguments], connection, read_end)
+        except (OSError, ValueError):  # the template ended (with the thread that started it): start it fresh
             connection.close()
             os.close(read_end)
-            raise
+            return None
         finally:
             os.close(write_end)
-        return ForkedProcess([sys.executable, "-m", "tests.worker", *arguments], connection, read_end)
 
     def stop(self) -> None:
         self.process.kill()
@@ -204,7 +204,11 @@ def _reap(children: dict[int, socket.socket]) -> None:
 
 
 if __name__ == "__main__":
+    import ctypes
     import random
+
+    # 1: PR_SET_PDEATHSIG: it ends with the thread of the pytest process that started it (then a new one is made).
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)
 
     import tests.worker
 
