@@ -58,9 +58,12 @@ def unavailable_response(request: HttpRequest, exc: BackendUnavailable) -> HttpR
 
 
 def _unavailable(
-    request: HttpRequest, exc: BackendUnavailable, on_unavailable: UnavailableHandler | None
+    request: HttpRequest, lock: DistributedLock, exc: BackendUnavailable, on_unavailable: UnavailableHandler | None
 ) -> HttpResponse:
-    logger.warning("distributed_lock: %s; the view was not run", exc)
+    """Log ``exc`` with the lock's name (the backends' errors name the server only) and answer."""
+    if exc.name is None:
+        exc.name = lock.name
+    logger.warning("Lock %r on %r unavailable, the view was not run: %s", lock.name, lock.alias, exc)
     return (on_unavailable or unavailable_response)(request, exc)
 
 
@@ -82,7 +85,8 @@ def distributed_lock(
     ``method_decorator``. ``on_locked(request, lock)`` answers when the lock is
     taken (default: ``locked_response``, 423 with ``Retry-After``), and
     ``on_unavailable(request, exc)`` when acquiring raises BackendUnavailable
-    (default, ``None``: ``unavailable_response``, 503 with ``Retry-After``).
+    (default, ``None``: ``unavailable_response``, 503 with ``Retry-After``;
+    ``exc.name`` and ``exc.alias`` are the lock's).
     Neither default answer names the lock or the server.
     The lock is taken before the view's transaction opens and released after it
     has committed or rolled back: with ``ATOMIC_REQUESTS = True`` this decorator
@@ -129,7 +133,7 @@ def distributed_lock(
             try:
                 acquired = lock.acquire()
             except BackendUnavailable as exc:
-                return _unavailable(request, exc, on_unavailable)
+                return _unavailable(request, lock, exc, on_unavailable)
             if not acquired:
                 return on_locked(request, lock)
             try:
@@ -193,7 +197,7 @@ def _async_wrapper(
         try:
             acquired = await held.acquire()
         except BackendUnavailable as exc:
-            return _unavailable(request, exc, on_unavailable)
+            return _unavailable(request, lock, exc, on_unavailable)
         if not acquired:
             return on_locked(request, lock)
         try:
