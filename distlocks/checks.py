@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import difflib
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
-from django.utils.module_loading import import_string
 
 from distlocks.exceptions import LockError
+from distlocks.handler import LockHandler, app_installed, unknown_settings
 
 if TYPE_CHECKING:
     from distlocks.backends.base import BaseLockBackend
@@ -23,8 +22,8 @@ PING_SECONDS = 3.0
 @checks.register("distlocks")
 def check_distlocks(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
     """Report every misconfigured DISTLOCKS entry and each backend's own findings, then ping the sound ones."""
-    from distlocks.handler import LockHandler
-
+    if not app_installed():  # the tables are missing: check_installed says so, and the backends' checks would fail
+        return []
     handler = LockHandler()
     try:
         aliases = list(handler.settings)
@@ -52,48 +51,6 @@ def check_distlocks(app_configs: Any = None, **kwargs: Any) -> list[checks.Check
         if not any(message.is_serious() for message in found):
             sound.append(backend)
     return messages + unanswered(sound)
-
-
-def unknown_settings(alias: str, params: Any) -> list[checks.CheckMessage]:
-    """Report the keys of DISTLOCKS[alias], and of its OPTIONS, that its backend does not read (typos).
-
-    The backend class declares them (``setting_names``, ``option_names``,
-    ``location_instead``); an entry whose BACKEND cannot be imported is
-    E002's business.
-    """
-    try:
-        backend_class = import_string(params["BACKEND"])
-        names, option_names = backend_class.setting_names, backend_class.option_names
-    except (TypeError, KeyError, AttributeError, ImportError):  # no dict, no or a bad BACKEND: E002 says which
-        return []
-    messages: list[checks.CheckMessage] = [
-        _unknown(f"DISTLOCKS[{alias!r}]", key, names) for key in params if key not in names
-    ]
-    options = params.get("OPTIONS")
-    if option_names is not None and isinstance(options, dict):
-        where = f"DISTLOCKS[{alias!r}]['OPTIONS']"
-        messages += [_unknown(where, key, option_names, backend_class) for key in options if key not in option_names]
-    if "LOCATION" in params and backend_class.location_instead:
-        messages.append(
-            checks.Error(
-                f"DISTLOCKS[{alias!r}] sets LOCATION, which {backend_class.__name__} does not read.",
-                hint=f"Remove it: {backend_class.location_instead}",
-                id="distlocks.E011",
-            )
-        )
-    return messages
-
-
-def _unknown(where: str, key: Any, names: tuple[str, ...], backend_class: type | None = None) -> checks.Error:
-    """An unknown key ``key`` of ``where``: a typo, with the closest accepted name and all of them."""
-    close = difflib.get_close_matches(str(key).upper(), names, n=1)
-    guess = f" Did you mean {close[0]!r}?" if close else ""
-    of = f" of {backend_class.__name__}" if backend_class is not None else ""
-    return checks.Error(
-        f"{where} has an unknown key {key!r}: it is ignored.{guess}",
-        hint=f"The keys{of}: {', '.join(names) or 'none (it takes no OPTIONS)'}.",
-        id="distlocks.E010",
-    )
 
 
 def unanswered(backends: list[BaseLockBackend], seconds: float = PING_SECONDS) -> list[checks.CheckMessage]:

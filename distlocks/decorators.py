@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import math
 from collections.abc import Awaitable, Callable
 from contextlib import ExitStack
@@ -17,19 +18,53 @@ from django.http import HttpRequest, HttpResponse
 
 from distlocks.aio import AsyncDistributedLock
 from distlocks.backends.base import check_positive_number, check_wait
+from distlocks.exceptions import BackendUnavailable
 from distlocks.handler import DEFAULT_ALIAS
 from distlocks.lock import DistributedLock
 from distlocks.names import check_name_fields
 
+logger = logging.getLogger(__name__)
+
 View = Callable[..., Any]  # a view: sync, or async returning an awaitable
 LockedHandler = Callable[[HttpRequest, DistributedLock], HttpResponse]
+UnavailableHandler = Callable[[HttpRequest, BackendUnavailable], HttpResponse]
+
+#: The ``Retry-After`` of the 503 answer, in seconds: a server that is down is
+#: seldom back within a second, and each retry ties a worker up for as long as
+#: connecting takes to fail (``CONNECT_TIMEOUT``, 5 s by default).
+UNAVAILABLE_RETRY_AFTER = 5
 
 
 def locked_response(request: HttpRequest, lock: DistributedLock) -> HttpResponse:
-    """Answer ``423 Locked`` with a ``Retry-After`` header (the default ``on_locked``)."""
-    response = HttpResponse(f"Locked: {lock.name}\n", status=423, content_type="text/plain")
+    """Answer ``423 Locked`` with a ``Retry-After`` header (the default ``on_locked``).
+
+    The body does not name the lock: a name such as ``cart:{user_id}`` may
+    carry what the client must not see.
+    """
+    response = HttpResponse("Locked\n", status=423, content_type="text/plain")
     response["Retry-After"] = str(max(1, math.ceil(lock.wait or 1)))
     return response
+
+
+def unavailable_response(request: HttpRequest, exc: BackendUnavailable) -> HttpResponse:
+    """Answer ``503 Service Unavailable`` with ``Retry-After: 5`` (the default ``on_unavailable``).
+
+    The body names neither the lock nor the server: ``exc`` says both, and
+    is logged (logger ``distlocks.decorators``, WARNING) instead.
+    """
+    response = HttpResponse("Service Unavailable\n", status=503, content_type="text/plain")
+    response["Retry-After"] = str(UNAVAILABLE_RETRY_AFTER)
+    return response
+
+
+def _unavailable(
+    request: HttpRequest, lock: DistributedLock, exc: BackendUnavailable, on_unavailable: UnavailableHandler | None
+) -> HttpResponse:
+    """Log ``exc`` with the lock's name (the backends' errors name the server only) and answer."""
+    if exc.name is None:
+        exc.name = lock.name
+    logger.warning("Lock %r on %r unavailable, the view was not run: %s", lock.name, lock.alias, exc)
+    return (on_unavailable or unavailable_response)(request, exc)
 
 
 def distributed_lock(
@@ -40,14 +75,19 @@ def distributed_lock(
     wait: float | None = 0,
     renew: bool = True,
     on_locked: LockedHandler = locked_response,
+    on_unavailable: UnavailableHandler | None = None,
 ) -> Callable[[View], View]:
-    """Run the view only while holding the lock ``name``; answer 423 if it is taken.
+    """Run the view only while holding the lock ``name``; answer 423 if it is taken, 503 if its server is down.
 
     ``name`` is a format string over the view's keyword arguments
     (``"stock:{product_id}"``) or a callable taking ``request, *args, **kwargs``.
     Works on sync and async views, and on class-based views through
     ``method_decorator``. ``on_locked(request, lock)`` answers when the lock is
-    taken (default: ``locked_response``).
+    taken (default: ``locked_response``, 423 with ``Retry-After``), and
+    ``on_unavailable(request, exc)`` when acquiring raises BackendUnavailable
+    (default, ``None``: ``unavailable_response``, 503 with ``Retry-After``;
+    ``exc.name`` and ``exc.alias`` are the lock's).
+    Neither default answer names the lock or the server.
     The lock is taken before the view's transaction opens and released after it
     has committed or rolled back: with ``ATOMIC_REQUESTS = True`` this decorator
     opens those transactions itself, inside the lock, so another request can
@@ -84,13 +124,17 @@ def distributed_lock(
                 raise ImproperlyConfigured(f"{where}: {exc}") from exc
 
         if iscoroutinefunction(view):
-            return _async_wrapper(view, make_lock, on_locked)
+            return _async_wrapper(view, make_lock, on_locked, on_unavailable)
         own_non_atomic: set[str] = set(getattr(view, "_non_atomic_requests", set()))
 
         @functools.wraps(view)
         def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
             lock = make_lock(request, args, kwargs)
-            if not lock.acquire():
+            try:
+                acquired = lock.acquire()
+            except BackendUnavailable as exc:
+                return _unavailable(request, lock, exc, on_unavailable)
+            if not acquired:
                 return on_locked(request, lock)
             try:
                 with ExitStack() as atomics:
@@ -138,6 +182,7 @@ def _async_wrapper(
     view: Callable[..., Awaitable[HttpResponse]],
     make_lock: Callable[[HttpRequest, tuple[Any, ...], dict[str, Any]], DistributedLock],
     on_locked: LockedHandler,
+    on_unavailable: UnavailableHandler | None,
 ) -> View:
     """Hold the lock around an async view as ``alock`` does: owned by the request's task, waiting on the loop.
 
@@ -149,7 +194,11 @@ def _async_wrapper(
     async def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
         lock = make_lock(request, args, kwargs)
         held = AsyncDistributedLock(lock.name, using=lock.alias, ttl=lock.ttl, wait=lock.wait, renew=lock.renew)
-        if not await held.acquire():
+        try:
+            acquired = await held.acquire()
+        except BackendUnavailable as exc:
+            return _unavailable(request, lock, exc, on_unavailable)
+        if not acquired:
             return on_locked(request, lock)
         try:
             return await view(request, *args, **kwargs)

@@ -4,9 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.apps import apps
+from django.core.exceptions import ImproperlyConfigured
 from django.db import models
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.utils.translation import gettext_lazy as _
+
+if apps.apps_ready and not apps.is_installed("distlocks"):  # instead of Django's RuntimeError about app_label
+    raise ImproperlyConfigured(
+        'distlocks.models is imported, but "distlocks" is not in INSTALLED_APPS: '
+        'add "distlocks" to INSTALLED_APPS, then run migrate.'
+    )
 
 
 class LockNameField(models.CharField):

@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -178,7 +179,7 @@ def test_an_unknown_key_is_an_error_with_a_guess_and_no_ping(settings, entry, ke
     [message] = check_distlocks()  # no W004: the ZooKeeper at 127.0.0.1:1 is not pinged
     where = "DISTLOCKS['shop']" + ("['OPTIONS']" if key in entry.get("OPTIONS", {}) else "")
     assert message.id == "distlocks.E010"
-    assert message.msg.startswith(f"{where} has an unknown key {key!r}: it is ignored.")
+    assert message.msg.startswith(f"{where} has an unknown key {key!r}.")
     if guess:
         assert message.msg.endswith(f"Did you mean {guess!r}?")
     else:
@@ -291,3 +292,115 @@ def test_the_demo_and_bench_settings_use_only_known_keys():
         )
         assert (done.returncode, done.stdout) == (0, ""), done.stderr
         assert [line.split()[1] for line in done.stderr.splitlines() if line.startswith("checked ")] == aliases
+
+
+@pytest.mark.parametrize(
+    ("entry", "text"),
+    [
+        (
+            {"BACKEND": LOCMEM, "TLL": 10},
+            "DISTLOCKS['shop'] has an unknown key 'TLL'. Did you mean 'TTL'? The keys: BACKEND, LOCATION,",
+        ),
+        (
+            {"BACKEND": DB, "OPTIONS": {"DATABSE": "mariadb"}},
+            "DISTLOCKS['shop']['OPTIONS'] has an unknown key 'DATABSE'. Did you mean 'DATABASE'?",
+        ),
+        (
+            {"BACKEND": REDIS, "LOCATION": "redis://127.0.0.1:6379/0", "OPTIONS": {"CACHE": "redis"}},
+            "DISTLOCKS['shop'] sets LOCATION, which RedisBackend does not read. Remove it: OPTIONS['CACHE']",
+        ),
+    ],
+)
+def test_what_check_reports_as_an_unknown_key_raises_at_the_first_use_of_the_alias(settings, entry, text):
+    # A server that gunicorn starts runs no check: it must not lock with the default ttl, database or cache.
+    settings.DISTLOCKS = {**settings.DISTLOCKS, "shop": entry}
+    with pytest.raises(ImproperlyConfigured) as info:
+        distlocks.lock("x", using="shop")
+    assert str(info.value).startswith(text)
+    assert distlocks.lock("x", using="locmem").acquire(wait=0)  # the other aliases are fine
+    distlocks.lock("x", using="locmem").release()
+
+
+NO_APP_SETTINGS = """
+    SECRET_KEY = "no-app"
+    INSTALLED_APPS = ["django.contrib.contenttypes", "django.contrib.auth"]  # "distlocks" forgotten
+    DATABASES = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}}
+    ROOT_URLCONF = "no_app_urls"
+    USE_TZ = True
+    import os
+    if os.environ.get("NO_APP_LOCMEM"):
+        DISTLOCKS = {"default": {"BACKEND": "distlocks.backends.locmem.LocMemBackend"}}
+"""
+NO_APP_URLS = """
+    from django.http import HttpResponse
+    from django.urls import path
+
+    from distlocks.decorators import distributed_lock
+
+
+    @distributed_lock("stock:{item}")
+    def buy(request, item):
+        return HttpResponse("ok")
+
+
+    urlpatterns = [path("buy/<item>/", buy)]
+"""
+# As a project does whose settings or Celery module import distlocks before the checks run.
+IMPORTED_FIRST = """
+import io
+import distlocks, django
+django.setup()
+from django.core.management import call_command
+check = lambda: call_command("check", stdout=io.StringIO(), stderr=io.StringIO())
+for step in (check, lambda: distlocks.lock("x").acquire()):
+    try:
+        print("ok", step())
+    except Exception as exc:
+        print(type(exc).__name__, str(exc).replace("\\n", " "))
+"""
+FIX = 'add "distlocks" to INSTALLED_APPS'
+
+
+def run_without_the_app(tmp_path, *args, **env):
+    (tmp_path / "no_app_settings.py").write_text(textwrap.dedent(NO_APP_SETTINGS))
+    (tmp_path / "no_app_urls.py").write_text(textwrap.dedent(NO_APP_URLS))
+    return subprocess.run(
+        [sys.executable, *args],
+        env={
+            **os.environ,
+            **env,
+            "DJANGO_SETTINGS_MODULE": "no_app_settings",
+            "PYTHONPATH": os.pathsep.join([str(tmp_path), os.path.dirname(os.path.dirname(__file__))]),
+        },
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_check_fails_naming_the_fix_when_distlocks_is_not_installed(tmp_path):
+    # The URLconf imports a view that takes a lock: the check of the URLs imports distlocks.
+    done = run_without_the_app(tmp_path, "-m", "django", "check")
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("django.core.exceptions.ImproperlyConfigured: Locks on 'default' (DatabaseBackend) are ")
+    assert FIX in last
+    assert "RuntimeError" not in done.stderr
+
+
+def test_check_reports_and_the_first_lock_raises_when_distlocks_is_not_installed(tmp_path):
+    done = run_without_the_app(tmp_path, "-c", IMPORTED_FIRST)
+    assert done.returncode == 0, done.stderr
+    check, first_lock = done.stdout.strip().split("\n", 1)
+    assert check.startswith("SystemCheckError")
+    assert "(distlocks.E013) Locks on 'default' (DatabaseBackend) are kept in the tables of the distlocks app" in check
+    assert first_lock.startswith("ImproperlyConfigured Locks on 'default' (DatabaseBackend)")
+    assert FIX in first_lock
+
+
+def test_backends_without_tables_still_work_without_the_app(tmp_path):
+    done = run_without_the_app(tmp_path, "-c", IMPORTED_FIRST, NO_APP_LOCMEM="1")
+    assert (done.returncode, done.stdout.split()) == (0, ["ok", "None", "ok", "True"]), done.stderr
+    assert run_without_the_app(tmp_path, "-m", "django", "check", NO_APP_LOCMEM="1").returncode == 0

@@ -15,7 +15,7 @@ from django.utils import timezone
 
 import distlocks
 from distlocks.backends.db import close_connections
-from distlocks.checks import unanswered
+from distlocks.checks import check_distlocks, unanswered
 from distlocks.handler import locks
 from distlocks.inspection import held_locks
 from distlocks.models import Lock
@@ -115,8 +115,15 @@ def test_a_misspelt_database_option_is_named_when_the_default_database_is_the_wr
         f"DISTLOCKS['n'] ({backend.rsplit('.', 1)[1]}) needs a {vendor} database; 'default' is sqlite "
         "(OPTIONS['DATABASE'] is not set; OPTIONS has 'DATABSE', which it does not read)"
     )
-    with pytest.raises(ImproperlyConfigured, match=re.escape(expected)):
+    # The typo is what the first use of the alias raises, as gunicorn runs no check...
+    typo = "DISTLOCKS['n']['OPTIONS'] has an unknown key 'DATABSE'. Did you mean 'DATABASE'?"
+    with pytest.raises(ImproperlyConfigured, match=re.escape(typo)):
         distlocks.lock("x", using="n").acquire(wait=0)
+    # ...and check names it with what it left: the default database, of the wrong kind.
+    assert [(message.id, message.msg) for message in check_distlocks()] == [
+        ("distlocks.E010", typo),
+        ("distlocks.E007", expected + "."),
+    ]
 
 
 @contextlib.contextmanager

@@ -61,6 +61,7 @@ def test_answers_423_when_taken(name):
         response = result[0]
     assert response.status_code == 423
     assert response["Retry-After"] == "1"
+    assert name not in response.content.decode()
     assert ran == []
 
 
@@ -190,6 +191,7 @@ def test_a_lock_held_by_another_process_gives_423_and_the_view_does_not_run(view
     response = client.post(f"/{kind}/{name}/")
     assert response.status_code == 423
     assert response["Retry-After"] == "1"
+    assert response.content == b"Locked\n"  # not the lock's name, which may carry a user's id
     assert ran(name) == 0
     holder.kill()
 
@@ -275,3 +277,89 @@ def test_the_demo_shops_locked_view_releases_after_the_commit_under_atomic_reque
     assert response.status_code == 200
     assert open_at_release == [False]
     assert Stock.objects.get(product_id=name[:20]).count == 4
+
+
+# Servers that are down: nothing listens on port 1 (tests/settings.py).
+DOWN = {
+    "redis": {"BACKEND": "distlocks.backends.redis.RedisBackend", "OPTIONS": {"CACHE": "redis_down"}},
+    "mariadb": {
+        "BACKEND": "distlocks.backends.db.DatabaseBackend",
+        "OPTIONS": {"DATABASE": "mariadb_down", "CONNECT_TIMEOUT": 1},
+    },
+    "postgresql": {
+        "BACKEND": "distlocks.backends.postgresql.AdvisoryLockBackend",
+        "OPTIONS": {"DATABASE": "postgresql_down", "CONNECT_TIMEOUT": 1},
+    },
+    "zookeeper": {
+        "BACKEND": "distlocks.backends.zookeeper.ZooKeeperBackend",
+        "LOCATION": "127.0.0.1:1",
+        "OPTIONS": {"CONNECT_TIMEOUT": 1},
+    },
+}
+
+
+@pytest.fixture(params=sorted(DOWN))
+def down(request, settings):
+    settings.DISTLOCKS = {**settings.DISTLOCKS, "down": DOWN[request.param]}
+    return request.param
+
+
+def assert_tells_nothing(response, name):
+    body = response.content.decode()
+    assert name not in body
+    assert "127.0.0.1" not in body
+    assert "view:" not in body
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_server_that_is_down_gives_503_with_retry_after_and_the_view_does_not_run(
+    views_urls, client, async_client, name, down, kind, caplog
+):
+    if kind == "sync":
+        response = client.post(f"/down/sync/{name}/")
+    else:
+        response = asyncio.run(async_client.post(f"/down/async/{name}/"))
+    assert response.status_code == 503
+    assert response["Retry-After"] == "5"
+    assert_tells_nothing(response, name)
+    assert ran(name) == 0
+    # What the client is not told is logged.
+    [record] = [r for r in caplog.records if r.name == "distlocks.decorators"]
+    assert record.levelname == "WARNING"
+    assert f"view:{name}" in record.getMessage()
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_on_unavailable_answers_with_the_exception(name, kind, settings):
+    settings.DISTLOCKS = {**settings.DISTLOCKS, "down": DOWN["redis"]}
+    called = []
+
+    def on_unavailable(request, exc):
+        called.append((request, exc))
+        return HttpResponse("later", status=502)
+
+    def on_locked(request, lock):
+        raise AssertionError("not locked: down")
+
+    if kind == "sync":
+
+        @distributed_lock(name + ":{item}", using="down", on_locked=on_locked, on_unavailable=on_unavailable)
+        def view(request, item):
+            raise AssertionError("the view ran")
+
+        request = RequestFactory().get("/")
+        response = view(request, item="7")
+    else:
+
+        @distributed_lock(name + ":{item}", using="down", on_locked=on_locked, on_unavailable=on_unavailable)
+        async def view(request, item):
+            raise AssertionError("the view ran")
+
+        request = RequestFactory().get("/")
+        response = asyncio.run(view(request, item="7"))
+    assert (response.status_code, response.content) == (502, b"later")
+    [(seen_request, exc)] = called
+    assert seen_request is request
+    assert isinstance(exc, distlocks.BackendUnavailable)
+    assert (exc.name, exc.alias) == (f"{name}:7", "down")
+    assert "redis://127.0.0.1:1/0" in str(exc)

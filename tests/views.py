@@ -50,9 +50,24 @@ def custom_view(request: HttpRequest, item: str) -> HttpResponse:
     return HttpResponse("custom")
 
 
+# On the alias "down", which the tests of a server that is down set.
+@distributed_lock(LOCK, using="down")
+def down_view(request: HttpRequest, item: str) -> HttpResponse:
+    _ran(item)
+    return HttpResponse("down")
+
+
+@distributed_lock(LOCK, using="down")
+async def down_async_view(request: HttpRequest, item: str) -> HttpResponse:
+    await sync_to_async(_ran)(item)
+    return HttpResponse("down")
+
+
 urlpatterns = [
     path("sync/<str:item>/", sync_view),
     path("async/<str:item>/", async_view),
     path("class/<str:item>/", ClassView.as_view()),
     path("custom/<str:item>/", custom_view),
+    path("down/sync/<str:item>/", down_view),
+    path("down/async/<str:item>/", down_async_view),
 ]

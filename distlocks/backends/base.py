@@ -231,6 +231,9 @@ class BaseLockBackend:
     option_names: tuple[str, ...] | None = None
     #: What to set instead of LOCATION, if this backend does not read it (a LOCATION given is then an error).
     location_instead: str | None = None
+    #: True if its locks are kept in distlocks' own tables (its migrations): "distlocks" must then be in
+    #: INSTALLED_APPS (``manage.py check`` says so, and the first lock raises ImproperlyConfigured).
+    needs_app = False
 
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         self.alias = alias

@@ -107,6 +107,7 @@ class DatabaseBackend(QueuedBackend):
 
     max_key_length = 255
     side_class = DatabaseSide
+    needs_app = True
 
     def make_key(self, name: str) -> str:
         """Return the key of ``name``; raise ValueError if a database cannot store it.

@@ -119,6 +119,7 @@ class NativeLockBackend(BaseLockBackend):
     session_bound = True  # the server's lock belongs to a session: no detach/resume in another process
     option_names = CONNECTION_OPTIONS
     location_instead = LOCATION_INSTEAD
+    needs_app = True  # the lease rows (distlocks_native_lease)
     vendor = ""
 
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
