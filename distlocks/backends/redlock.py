@@ -230,11 +230,11 @@ class RedlockBackend(BaseLockBackend):
         round's deadline, if longer): BackendUnavailable if a majority did not answer.
         """
         cold = [index for index, node in enumerate(self.nodes) if node.cache not in connected]
+        for index in cold:  # every one: a cache that is no django-redis cache raises here, not only if it answers first
+            self.nodes[index].client  # noqa: B018  (the imports and the client; their errors raise here)
         need = self.quorum - (len(self.nodes) - len(cold))
         if need <= 0:
             return
-        for index in cold:
-            self.nodes[index].client  # noqa: B018  (the imports and the client; their errors raise here)
         answers: list[Any] = [True] * len(self.nodes)  # in the nodes' order, as _answered names them
         for index, answer in zip(
             cold,
