@@ -11,6 +11,7 @@ from typing import Any
 
 from django.apps import apps
 from django.contrib import admin, messages
+from django.contrib.admin.exceptions import NotRegistered
 from django.contrib.admin.models import DELETION, LogEntry
 from django.core.exceptions import ImproperlyConfigured, PermissionDenied
 from django.core.paginator import Paginator
@@ -381,6 +382,7 @@ class HeldLockAdmin(admin.ModelAdmin):
     """The held-locks page's entry in the sidebar and the app index; the page itself is ``LockAdmin``'s.
 
     Shown to whoever may see the page: who may view ``Lock`` or force-release locks.
+    The proxy model has no permissions of its own, and this admin no pages.
     """
 
     def get_urls(self) -> list[URLPattern]:
@@ -390,6 +392,7 @@ class HeldLockAdmin(admin.ModelAdmin):
         return {"add": False, "change": False, "delete": False, "view": self.has_view_permission(request)}
 
     def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return request.user.has_perm(f"{Lock._meta.app_label}.view_lock") or request.user.has_perm(
-            f"{Lock._meta.app_label}.force_release_lock"
-        )
+        try:  # whoever LockAdmin shows the page to
+            return self.admin_site.get_model_admin(Lock).has_view_permission(request)
+        except NotRegistered:  # no LockAdmin on this site: no page
+            return False
