@@ -14,7 +14,7 @@ from django.contrib import admin, messages
 from django.contrib.admin.exceptions import NotRegistered
 from django.contrib.admin.models import DELETION, LogEntry
 from django.core.exceptions import ImproperlyConfigured, PermissionDenied
-from django.core.paginator import Paginator
+from django.core.paginator import Page, Paginator
 from django.db.models import QuerySet
 from django.db.models.functions import Now
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
@@ -44,9 +44,9 @@ KIND_LABELS = {
 }
 #: The POST fields of the held-locks page: the ticked rows, and the confirmation.
 SELECTED_VAR = "_selected_lock"
+CONFIRM_VAR = "post"
 #: How many of a long token's last digits the page shows (the whole token on hover).
 SHORT_TOKEN_DIGITS = 6
-CONFIRM_VAR = "post"
 
 
 class ExpiredFilter(admin.SimpleListFilter):
@@ -229,7 +229,7 @@ class LockAdmin(admin.ModelAdmin):
         return TemplateResponse(request, self.held_locks_template, context)
 
     @staticmethod
-    def _page_links(request: HttpRequest, page: Any) -> list[tuple[Any, str]]:
+    def _page_links(request: HttpRequest, page: Page[LockInfo]) -> list[tuple[int | str, str]]:
         """(page number or the ellipsis, query string) for each page link, keeping the search and the filters."""
         params = request.GET.copy()
         links = []
