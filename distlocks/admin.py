@@ -11,8 +11,10 @@ from typing import Any
 
 from django.apps import apps
 from django.contrib import admin, messages
+from django.contrib.admin.exceptions import NotRegistered
 from django.contrib.admin.models import DELETION, LogEntry
 from django.core.exceptions import ImproperlyConfigured, PermissionDenied
+from django.core.paginator import Page, Paginator
 from django.db.models import QuerySet
 from django.db.models.functions import Now
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
@@ -25,10 +27,11 @@ from distlocks.backends.base import LockInfo
 from distlocks.exceptions import LockError
 from distlocks.handler import locks
 from distlocks.inspection import KINDS, READ_WRITE, force_release, held_locks
-from distlocks.models import Lock
+from distlocks.models import HeldLock, Lock
 
 #: The query parameters of the held-locks page.
 SEARCH_VAR = "q"
+PAGE_VAR = "p"  # the changelist's
 ALIAS_VAR = "alias"
 KIND_VAR = "kind"
 #: How the page names each kind of lock (see ``inspection.KINDS``).
@@ -42,6 +45,8 @@ KIND_LABELS = {
 #: The POST fields of the held-locks page: the ticked rows, and the confirmation.
 SELECTED_VAR = "_selected_lock"
 CONFIRM_VAR = "post"
+#: How many of a long token's last digits the page shows (the whole token on hover).
+SHORT_TOKEN_DIGITS = 6
 
 
 class ExpiredFilter(admin.SimpleListFilter):
@@ -70,6 +75,12 @@ class HeldLockRow:
     def value(self) -> str:
         """The row's checkbox value: which lock, which acquisition of it (its token), and its kind."""
         return json.dumps([self.info.alias, self.info.key, self.info.token, self.info.kind])
+
+    @property
+    def short_token(self) -> str | None:
+        """A long token (Redis': 16 digits) cut to its last digits, which differ between its locks; else None."""
+        token = "" if self.info.token is None else str(self.info.token)
+        return f"…{token[-SHORT_TOKEN_DIGITS:]}" if len(token) > SHORT_TOKEN_DIGITS + 2 else None
 
     @property
     def kind_label(self) -> str:
@@ -133,6 +144,8 @@ class LockAdmin(admin.ModelAdmin):
     ordering = ["lock_name"]
 
     held_locks_template = "admin/distlocks/lock/held_locks.html"
+    #: Rows on one page of held locks, as ``list_per_page`` on a changelist.
+    held_locks_per_page = 100
     force_release_confirmation_template = "admin/distlocks/lock/force_release_confirmation.html"
 
     def has_add_permission(self, request: HttpRequest) -> bool:
@@ -154,9 +167,12 @@ class LockAdmin(admin.ModelAdmin):
 
     def get_urls(self) -> list[URLPattern]:
         name = f"{self.opts.app_label}_{self.opts.model_name}_held"
-        held = path("held/", self.admin_site.admin_view(self.held_locks_view), name=name)
+        view = self.admin_site.admin_view(self.held_locks_view)
+        held = path("held/", view, name=name)
+        # The sidebar's and the app index's "Held locks" (HeldLockAdmin) links here, by its changelist's name.
+        entry = path("held/", view, name=f"{HeldLock._meta.app_label}_{HeldLock._meta.model_name}_changelist")
         # Before the inherited "<path:object_id>/" patterns, which would take "held/".
-        return [held, *super().get_urls()]
+        return [held, entry, *super().get_urls()]
 
     def held_locks_view(self, request: HttpRequest) -> HttpResponse:
         """List the locks held in every backend; on POST, confirm then force-release the chosen ones."""
@@ -182,8 +198,9 @@ class LockAdmin(admin.ModelAdmin):
         if query:
             needle = query.casefold()
             found = [info for info in found if needle in info.key.casefold() or needle in info.owner.casefold()]
+        page = Paginator(found, self.held_locks_per_page).get_page(request.GET.get(PAGE_VAR))
         now = datetime.now(timezone.utc)
-        rows = [HeldLockRow(info, info.lease_left(now)) for info in found]
+        rows = [HeldLockRow(info, info.lease_left(now)) for info in page]
 
         context = {
             **self.admin_site.each_context(request),
@@ -192,6 +209,8 @@ class LockAdmin(admin.ModelAdmin):
             "opts": self.opts,
             "app_label": self.opts.app_label,
             "rows": rows,
+            "page": page,
+            "page_links": self._page_links(request, page) if page.paginator.num_pages > 1 else [],
             "backend_errors": sorted(errors.items()),
             "can_force_release": self.has_force_release_permission(request),
             "search_var": SEARCH_VAR,
@@ -208,6 +227,16 @@ class LockAdmin(admin.ModelAdmin):
         }
         request.current_app = self.admin_site.name
         return TemplateResponse(request, self.held_locks_template, context)
+
+    @staticmethod
+    def _page_links(request: HttpRequest, page: Page[LockInfo]) -> list[tuple[int | str, str]]:
+        """(page number or the ellipsis, query string) for each page link, keeping the search and the filters."""
+        params = request.GET.copy()
+        links = []
+        for number in page.paginator.get_elided_page_range(page.number, on_each_side=2, on_ends=1):
+            params[PAGE_VAR] = str(number)
+            links.append((number, "" if number == page.paginator.ELLIPSIS else f"?{params.urlencode()}"))
+        return links
 
     def _recent_charts(self, alias: str | None) -> list[Any]:
         """Charts of the last minutes' waits and losses, where distlocks.metrics is installed."""
@@ -244,6 +273,7 @@ class LockAdmin(admin.ModelAdmin):
         """(display, query string, selected) for a filter on ``var``, keeping the search and the other filter."""
         params = request.GET.copy()
         params.pop(var, None)
+        params.pop(PAGE_VAR, None)  # another filter's rows start at the first page
         choices = [(_g("All"), f"?{params.urlencode()}", chosen is None)]
         for value, display in values:
             params[var] = value
@@ -345,3 +375,24 @@ class LockAdmin(admin.ModelAdmin):
             change_message=message,
             single_object=True,
         )
+
+
+@admin.register(HeldLock)
+class HeldLockAdmin(admin.ModelAdmin):
+    """The held-locks page's entry in the sidebar and the app index; the page itself is ``LockAdmin``'s.
+
+    Shown to whoever may see the page: who may view ``Lock`` or force-release locks.
+    The proxy model has no permissions of its own, and this admin no pages.
+    """
+
+    def get_urls(self) -> list[URLPattern]:
+        return []  # LockAdmin.get_urls serves the changelist's name: its held-locks page
+
+    def get_model_perms(self, request: HttpRequest) -> dict[str, bool]:
+        return {"add": False, "change": False, "delete": False, "view": self.has_view_permission(request)}
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        try:  # whoever LockAdmin shows the page to
+            return self.admin_site.get_model_admin(Lock).has_view_permission(request)
+        except NotRegistered:  # no LockAdmin on this site: no page
+            return False

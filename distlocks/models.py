@@ -73,6 +73,20 @@ class Lock(Held):
         return self.lock_name
 
 
+class HeldLock(Lock):
+    """The admin's entry for its held-locks page, in the sidebar and the app index: no table, no permissions.
+
+    The page lists the locks of every backend; who may see it is who may view
+    ``Lock`` or force-release locks (see ``distlocks.admin.HeldLockAdmin``).
+    """
+
+    class Meta:
+        proxy = True
+        default_permissions = ()
+        verbose_name = _("held lock")
+        verbose_name_plural = _("held locks")
+
+
 class NativeLease(Held):
     """The lease and fencing token of a lock held through a native backend (``GET_LOCK``, advisory locks).
 

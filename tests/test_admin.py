@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 
 import pytest
@@ -69,6 +70,13 @@ def release_post(client, alias, name, token, url=HELD_URL, kind="lock"):
     return client.post(url, {"_selected_lock": value(alias, name, token, kind), "post": "yes"}, follow=True)
 
 
+def token_cell(token):
+    """The token's cell: a long one (Redis') as its last 6 digits, the whole token on hover."""
+    if len(str(token)) > 8:
+        return f'<td class="field-token"><span title="{token}">…{str(token)[-6:]}</span></td>'
+    return f'<td class="field-token">{token}</td>'
+
+
 def listed(alias, name):
     return any(info.key == name for info in held_locks([alias]).locks)
 
@@ -119,12 +127,78 @@ def test_the_page_is_linked_from_the_app_index_and_the_lock_list(admin_client):
     assert 'id="recent-locking"' not in page  # charts only with distlocks.metrics (tests/test_metrics.py)
 
 
+def test_held_locks_is_in_the_sidebar_and_the_app_index_for_who_may_see_it(admin_client, staff_client):
+    entry = re.compile(
+        rf'<tr class="model-heldlock[^"]*">\s*<th scope="row" id="distlocks-heldlock">\s*<a href="{HELD_URL}"[^>]*>Held locks</a>'
+    )
+    # The index, the app index, and the sidebar of the app's pages.
+    for url in ("/admin/", "/admin/distlocks/", "/admin/distlocks/lock/", HELD_URL):
+        assert entry.search(admin_client.get(url).content.decode()), url
+        assert 'class="model-lock' in admin_client.get(url).content.decode()
+    for codename in ("view_lock", "force_release_lock"):
+        assert entry.search(staff_client(codename).get("/admin/").content.decode()), codename
+    assert "Held locks" not in staff_client().get("/admin/").content.decode()
+    # No page of its own to add, change or delete.
+    assert admin_client.get("/admin/distlocks/heldlock/").status_code == 404
+
+
+@pytest.fixture
+def many_held(name):
+    """250 locks on the database backend, taken detached (no thread each) and freed afterwards."""
+    taken = [distlocks.lock(f"{name}-{i:03d}") for i in range(250)]
+    for lock in taken:
+        assert lock.take_detached(lease=300) is not None
+    yield taken
+    for lock in taken:
+        lock.release_detached()
+
+
+def test_many_held_locks_are_paged_keeping_the_search_and_filters(name, many_held, admin_client):
+    url = f"{HELD_URL}?q={name}&alias=default"
+    first = admin_client.get(url).content.decode()
+    assert first.count('<td class="field-token">') == 100
+    assert f">{name}-000</th>" in first
+    assert f">{name}-099</th>" in first
+    assert f">{name}-100</th>" not in first
+    assert "250 locks held" in first
+    # Page links keep the search and the filter.
+    assert '<span class="this-page">1</span>' in first
+    assert f'<a href="?q={name}&amp;alias=default&amp;p=2">2</a>' in first
+    assert f'<a href="?q={name}&amp;alias=default&amp;p=3" class="end">3</a>' in first
+
+    second = admin_client.get(f"{url}&p=2").content.decode()
+    assert second.count('<td class="field-token">') == 100
+    assert f">{name}-100</th>" in second
+    assert f">{name}-199</th>" in second
+    assert f">{name}-099</th>" not in second
+    assert '<span class="this-page">2</span>' in second
+    assert f'<a href="?q={name}&amp;alias=default&amp;p=1">1</a>' in second
+
+    third = admin_client.get(f"{url}&kind=lock&p=3").content.decode()
+    assert third.count('<td class="field-token">') == 50
+    assert f">{name}-200</th>" in third
+    assert f">{name}-249</th>" in third
+    assert "250 locks held" in third
+    # The search form keeps the filters (not the page); the filter links keep the search, and start at page 1.
+    assert '<input type="hidden" name="alias" value="default">' in third
+    assert '<input type="hidden" name="kind" value="lock">' in third
+    assert f'href="?q={name}&amp;kind=lock&amp;alias=redis"' in third
+    assert "p=3&amp;alias=" not in third
+    # A page past the end is the last one; nonsense is the first.
+    assert f">{name}-249</th>" in admin_client.get(f"{url}&p=9").content.decode()
+    assert f">{name}-000</th>" in admin_client.get(f"{url}&p=x").content.decode()
+    # Fewer than a page: no page links.
+    one = admin_client.get(f"{HELD_URL}?q={name}-24&alias=default").content.decode()
+    assert one.count('<td class="field-token">') == 10
+    assert "this-page" not in one
+
+
 def test_a_lock_held_elsewhere_is_listed_and_force_released(alias, name, holders, admin_client, admin_user):
     holder = holders(name, alias, ttl=30)
     page = admin_client.get(f"{HELD_URL}?alias={alias}").content.decode()
     assert name in page
     assert f"{os.getpid()}:<wbr>holder-{name}/<wbr>" in page  # the owner: host:pid:thread
-    assert f'<td class="field-token">{holder.token}</td>' in page
+    assert token_cell(holder.token) in page
     if alias == "zookeeper":  # no lease, but it knows its waiters
         assert ">session</span></td>" in page
         assert '<td class="field-waiters">0</td>' in page
@@ -136,7 +210,7 @@ def test_a_lock_held_elsewhere_is_listed_and_force_released(alias, name, holders
     assert after.redirect_chain[-1] == (f"{HELD_URL}?alias={alias}", 302)
     shown = after.content.decode()
     assert f"Force-released “{alias}: {name}”" in shown
-    assert f'<td class="field-token">{holder.token}</td>' not in shown
+    assert token_cell(holder.token) not in shown
     assert not listed(alias, name)
 
     entry = LogEntry.objects.get()
@@ -169,7 +243,9 @@ def test_search_and_backend_filter(aliases, name, holders, admin_client):
     both = admin_client.get(f"{HELD_URL}?q=holder-{name}-re&alias=redis").content.decode()
     assert f"{name}-redis" in both
     assert f"{name}-default" not in both
-    assert admin_client.get(f"{HELD_URL}?q={name}&alias=default").content.decode().count("field-token") == 1
+    assert (
+        admin_client.get(f"{HELD_URL}?q={name}&alias=default").content.decode().count('<td class="field-token">') == 1
+    )
     # The filter links keep the search.
     assert f"?q={name}&amp;alias=redis" in admin_client.get(f"{HELD_URL}?q={name}").content.decode()
 

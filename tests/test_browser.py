@@ -111,3 +111,55 @@ def test_force_release_in_a_real_browser(live_server, django_user_model, tmp_pat
         assert not any(info.key == "stock:42" for info in held_locks(["redis"]).locks)
     entry = LogEntry.objects.get()
     assert (entry.user.username, entry.object_repr) == ("admin", "redis: stock:42")
+
+
+def log_in(page, live_server, next_url):
+    page.goto(f"{live_server.url}/admin/login/?next={next_url}")
+    page.fill("#id_username", "admin")
+    page.fill("#id_password", "correct horse")
+    page.click("input[type=submit]")
+    page.wait_for_url(f"**{next_url}")
+
+
+# How wide the held-locks table, the page and the token cell are (CSS pixels).
+WIDTHS = """() => {
+    const table = document.querySelector("#result_list");
+    const tokens = [...document.querySelectorAll("#result_list tbody td.field-token")];
+    return {
+        table: table.scrollWidth,
+        results: table.parentElement.clientWidth,
+        results_right: table.parentElement.getBoundingClientRect().right,
+        page: document.documentElement.scrollWidth,
+        viewport: window.innerWidth,
+        token_right: Math.max(...tokens.map((cell) => cell.getBoundingClientRect().right)),
+    };
+}"""
+
+
+def test_the_table_fits_1280_px_and_the_whole_token_is_on_hover(live_server, django_user_model):
+    django_user_model.objects.create_superuser("admin", "admin@example.com", "correct horse")
+    with override_settings(DISTLOCKS={alias: settings.DISTLOCKS[alias] for alias in SHOWN}):
+        stock = Holder("stock:42", "redis", thread_name="ThreadPoolExecutor-0_12", ttl=30)
+        report = Holder("report:nightly:2026-11-28:warehouse-7", "default", thread_name="default-worker", ttl=60)
+        try:
+            assert len(str(stock.token)) == 16  # microseconds: what did not fit
+            with sync_api.sync_playwright() as playwright:
+                browser = launch(playwright)
+                try:
+                    page = browser.new_page(viewport={"width": 1280, "height": 800})
+                    page.set_default_timeout(20_000)
+                    log_in(page, live_server, "/admin/distlocks/lock/held/")
+                    assert page.locator("#nav-sidebar").is_visible()  # the narrowest table: both sidebars open
+                    widths = page.evaluate(WIDTHS)
+                    assert widths["table"] <= widths["results"], widths
+                    assert widths["page"] <= widths["viewport"], widths
+                    assert widths["token_right"] <= widths["results_right"], widths  # not scrolled out of sight
+                    row = page.locator("#result_list tbody tr", has=page.locator("th", has_text="stock:42"))
+                    token = row.locator("td.field-token span")
+                    sync_api.expect(token).to_have_attribute("title", str(stock.token))
+                    sync_api.expect(token).to_have_text(f"…{str(stock.token)[-6:]}")
+                finally:
+                    browser.close()
+        finally:
+            stock.release()
+            report.release()

@@ -19,7 +19,6 @@ DATA = [
     "distlocks/py.typed",
     "distlocks/migrations/0001_initial.py",
     "distlocks/migrations/0002_lock_name_byte_wise.py",
-    "distlocks/templates/admin/distlocks/app_index.html",
     "distlocks/templates/admin/distlocks/lock/held_locks.html",
     "distlocks/templates/admin/distlocks/lock/change_list.html",
     "distlocks/templates/admin/distlocks/lock/force_release_confirmation.html",
