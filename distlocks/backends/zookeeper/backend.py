@@ -335,7 +335,7 @@ class ZooKeeperBackend(BaseLockBackend):
                 return True
             self._forget(key, owner)
             return False
-        except BackendUnavailable:
+        except Exception:  # unavailable, or any error: past the session timeout, nothing else gives the hold up
             if not session.may_have_expired():
                 raise
         self.drop(key, owner)

@@ -177,7 +177,13 @@ class Session:
         could hang. A ``create`` that completes after we gave up is deleted
         again, so that no orphan node blocks the lock.
         """
-        from kazoo.exceptions import ConnectionClosedError, ConnectionLoss, NoNodeError, SessionExpiredError
+        from kazoo.exceptions import (
+            ConnectionClosedError,
+            ConnectionLoss,
+            NoNodeError,
+            SessionExpiredError,
+            SessionMovedError,
+        )
 
         client = self.client
         if limit <= 0:
@@ -198,7 +204,10 @@ class Session:
                     raise self.unavailable(exc) from exc
                 time.sleep(0.05)
                 continue
-            except (ConnectionLoss, ConnectionClosedError) as exc:
+            except (ConnectionLoss, ConnectionClosedError, SessionMovedError) as exc:
+                # Moved: another connection took the session over (this one is
+                # about to be dropped). Unavailable, so that a renewal gives the
+                # hold up once the session may have expired: ttl does not.
                 raise self.unavailable(exc) from exc
             except BaseException as exc:
                 # Timed out, or interrupted while it waited (a signal handler raised):
