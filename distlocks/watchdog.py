@@ -11,7 +11,9 @@ silences the others:
   its own), so that the alias's later locks are renewed again;
 - the *timer* makes no request at all: it hands due holds to their renewer,
   marks a hold lost the moment its lease ends without a renewal it can prove
-  (even while that renewal is still stuck in a request), and hands the holds of
+  (even while that renewal is still stuck in a request; not where ``ttl`` is
+  no lease, on ZooKeeper: there the renewal, bounded in time, says when a hold
+  is gone), and hands the holds of
   threads that ended to their renewer, to be released on session-bound backends;
 - the *notifier* sends ``lock_lost``, with ``send_robust``, so that a receiver
   that raises is logged and one that blocks holds up no renewal.
@@ -230,7 +232,7 @@ class Watchdog:
             for hold, due in self._due.items():
                 if not hold.thread.is_alive():
                     orphaned.append(hold)
-                elif hold.lease_ends <= now:
+                elif hold.lease_ends <= now and hold.backend.ttl_is_lease:
                     ended.append(hold)
                 else:
                     # Queued once; again only if its renewer lost it (an
@@ -243,7 +245,7 @@ class Watchdog:
                         self._renewer(hold.alias).queue.put(hold)
                         due = now + hold.ttl / 3
                     wake_at = min(wake_at, due)
-                if hold not in ended:
+                if hold not in ended and hold.backend.ttl_is_lease:
                     wake_at = min(wake_at, hold.lease_ends)
             orphaned.extend(hold for hold in self._kept if not hold.thread.is_alive())
             for hold in orphaned:

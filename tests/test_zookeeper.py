@@ -134,3 +134,59 @@ def test_bad_settings(settings, entry, message):
 
 def test_a_forked_child_gets_a_client_of_its_own(workers, name):
     assert workers("fork", "zookeeper", name).finish() == ["child", "0"]
+
+
+def _queued(rw, count):
+    """Wait until ``count`` nodes are queued under the read-write lock ``rw`` (another client's among them)."""
+    backend = locks["zookeeper"]
+    parent = backend._parent(rw.key)
+    client = backend._session().client
+    deadline = time.monotonic() + 20
+    while len(client.get_children(parent)) < count:
+        assert time.monotonic() < deadline, "the other writer did not queue"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("where", ["thread", "process"])
+def test_a_writer_let_in_after_a_downgrade_gets_a_larger_token_than_the_downgrades_read(name, workers, where):
+    # W1 writes; W2 queues for the write side; W1 reads too (a downgrade, let in before W2), then lets go
+    # of both: W2's acquisition comes after the downgrade's, so its token must be larger (issue 28, item 4).
+    rw = distlocks.read_write_lock(name, using="zookeeper", wait=0)
+    assert rw.write().acquire()
+    written = rw.write().token
+    got, holding, done = [], threading.Event(), threading.Event()
+
+    def second_writer():
+        other = distlocks.read_write_lock(name, using="zookeeper").write()
+        assert other.acquire(wait=30)
+        got.append(other.token)
+        holding.set()
+        done.wait(30)
+        other.release()
+
+    if where == "thread":
+        thread = threading.Thread(target=second_writer)
+        thread.start()
+    else:
+        worker = workers("rw_take", "zookeeper", name, "write", 30)
+    try:
+        _queued(rw, 2)
+        assert rw.read().acquire()  # the downgrade: let in at once, ahead of the queued writer
+        downgrade = rw.read().token
+        assert downgrade > written
+        rw.write().release()
+        rw.read().release()
+        if where == "thread":
+            assert holding.wait(30)
+            # The admin shows the token the holder has.
+            shown = [info.token for info in locks["zookeeper"].held() if info.key == rw.key and info.kind == "write"]
+            assert shown == got
+        else:
+            answer = worker.line()
+            assert answer[0] == "acquired"
+            got.append(int(answer[1]))
+    finally:
+        done.set()
+        if where == "thread":
+            thread.join(30)
+    assert got[0] > downgrade

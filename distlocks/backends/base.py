@@ -225,6 +225,11 @@ class BaseLockBackend:
     #: True if a hold lives as long as the holding process's session, not as a
     #: lease: another process can then never take it over (``detach``/``resume``).
     session_bound = False
+    #: True if ``ttl`` is a lease: the core marks a hold lost once it ends
+    #: without a renewal it can prove. False (ZooKeeper) when only the backend
+    #: knows when a hold is gone (its ``extend`` says so: a session that may
+    #: have expired); ``ttl`` then only paces the watchdog's checks.
+    ttl_is_lease = True
     #: The keys of a DISTLOCKS entry this backend reads (``manage.py check`` reports any other as a typo).
     setting_names: tuple[str, ...] = ("BACKEND", "LOCATION", "OPTIONS", "TTL", "KEY_PREFIX")
     #: The ``OPTIONS`` keys this backend reads; None: not declared, so not checked.

@@ -44,6 +44,7 @@ class ReadWriteSide(BaseLockBackend):
         self.mode = mode
         self.alias = backend.alias
         self.session_bound = backend.session_bound
+        self.ttl_is_lease = backend.ttl_is_lease
         self.suffix = f"#{mode}"
         self._waiting: dict[str, str] = {}  # key -> the secret of the writer recorded waiting ('' if none yet)
 

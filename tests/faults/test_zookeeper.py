@@ -7,8 +7,10 @@ process, a second client that deletes or adds nodes).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -224,22 +226,138 @@ def test_a_last_release_that_met_a_frozen_server_frees_the_lock_once_it_answers(
     assert_free_for(other, name)
 
 
-def test_a_reentered_hold_the_core_marked_lost_frees_the_lock_at_its_last_release(zk_server, settings, name):
-    # ttl well below the session timeout: the core gives the hold up when its lease ends unproven, while
-    # the session (and the node) live on.
-    alias, other = own_aliases(settings, zk_server, "own", "other", SESSION_TIMEOUT=20, CONNECT_TIMEOUT=1)
-    lk = distlocks.lock(name, using=alias, ttl=2)
+def test_a_reentered_hold_given_up_under_a_frozen_server_frees_the_lock_at_its_last_release(
+    zk_server, settings, name, lost_names
+):
+    # The holder gives the hold up once its session may have expired (SESSION_TIMEOUT after the server last
+    # heard from it); the session (and the node) may live on all the same.
+    alias, other = own_aliases(settings, zk_server, "own", "other", SESSION_TIMEOUT=3, CONNECT_TIMEOUT=1)
+    lk = distlocks.lock(name, using=alias)
     assert lk.acquire(wait=5)
     assert lk.acquire(wait=5)
     with frozen(zk_server):
-        deadline = time.monotonic() + 10
-        while not lk.lost and time.monotonic() < deadline:
-            time.sleep(0.05)
+        assert lost_names(name).wait(10)
         assert lk.lost
     for _ in range(2):
         with pytest.raises(distlocks.LockLost):
             lk.release()
     assert_free_for(other, name)
+
+
+# -- 28.6: ttl is no lease on ZooKeeper; an acquire's time is bounded; kazoo's messages --
+
+
+def test_a_hold_outlives_its_ttl_while_the_server_is_frozen_for_less_than_the_session_timeout(
+    zk_server, settings, name, lost_names
+):
+    # The README: ``ttl`` is not a lease here, the session is. A freeze longer than ttl (1 s) but shorter than
+    # the session timeout (8 s) loses nothing: no other session can have taken the lock meanwhile.
+    alias, other = own_aliases(settings, zk_server, "own", "other", SESSION_TIMEOUT=8, CONNECT_TIMEOUT=1)
+    lk = distlocks.lock(name, using=alias, ttl=1)
+    assert lk.acquire(wait=5)
+    lost = lost_names(name)
+    with frozen(zk_server):
+        time.sleep(3)
+        assert not lk.lost
+    # Renewals go on once the server answers; the hold was never given up.
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        assert not lk.lost
+        time.sleep(0.1)
+    assert not lost.is_set()
+    assert not distlocks.lock(name, using=other).acquire(wait=0)
+    lk.release()
+    assert_free_for(other, name)
+
+
+def _queued_nodes(alias, key, count):
+    backend = locks[alias]
+    client = backend._session().client
+    deadline = time.monotonic() + 20
+    while len(client.get_children(backend._parent(key))) < count:
+        assert time.monotonic() < deadline, "the waiter did not queue"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_an_acquire_ends_within_its_wait_and_the_connect_timeout_when_the_server_freezes_while_it_waits(
+    zk_server, settings, name, kind
+):
+    # A long session timeout: kazoo does not notice the freeze (no ConnectionLoss ends the requests early).
+    wait, connect_timeout = 1, 3
+    alias, other = own_aliases(settings, zk_server, "own", "other", SESSION_TIMEOUT=30, CONNECT_TIMEOUT=connect_timeout)
+    holder = distlocks.lock(name, using=other)
+    assert holder.acquire(wait=5)
+    outcome = []
+
+    def waiter():
+        started = time.monotonic()
+        try:
+            if kind == "sync":
+                outcome.append(distlocks.lock(name, using=alias).acquire(wait=wait))
+            else:
+                outcome.append(asyncio.run(distlocks.alock(name, using=alias).acquire(wait=wait)))
+        except distlocks.BackendUnavailable as exc:
+            outcome.append(exc)
+        outcome.append(time.monotonic() - started)
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    _queued_nodes(other, holder.key, 2)
+    with frozen(zk_server):
+        thread.join(30)
+        # Before: each request had CONNECT_TIMEOUT of its own (the waiter's next look, then its leaving the
+        # queue): wait + 2 * CONNECT_TIMEOUT, 7 s here.
+        assert outcome[-1] < wait + connect_timeout + 1.0, outcome
+    assert outcome[0] is False or isinstance(outcome[0], distlocks.BackendUnavailable)
+    holder.release()
+    # The waiter's node, which it could not delete while the server was frozen, is deleted now.
+    assert_free_for(other, name)
+
+
+def test_a_first_acquire_against_a_frozen_server_ends_within_the_connect_timeout(zk_server, settings, name):
+    # No session yet: kazoo's start(timeout) stopped a client that did not connect in time and waited for its
+    # connection attempt to end (up to the session timeout, 10 s here) before it raised.
+    connect_timeout = 1
+    entries = dict(settings.DISTLOCKS)
+    entries["fresh"] = {
+        "BACKEND": "distlocks.backends.zookeeper.ZooKeeperBackend",
+        "LOCATION": f"127.0.0.1:{zk_server.port}",
+        "OPTIONS": {"ROOT": "/distlocks", "SESSION_TIMEOUT": 10, "CONNECT_TIMEOUT": connect_timeout},
+    }
+    settings.DISTLOCKS = entries
+    with frozen(zk_server):
+        started = time.monotonic()
+        with pytest.raises(distlocks.BackendUnavailable, match="not connected within"):
+            distlocks.lock(name, using="fresh").acquire(wait=1)
+        assert time.monotonic() - started < 1 + connect_timeout + 1.0
+    # Another try once the server answers connects anew.
+    connect("fresh")
+    assert_free_for("fresh", name)
+
+
+def test_kazoos_connection_messages_go_to_a_distlocks_logger_and_not_to_stderr(
+    zk_server, settings, name, caplog, capfd, monkeypatch
+):
+    # As in a process whose logging is not configured (the root logger has no handler), where Python's
+    # last-resort handler printed kazoo's warnings to stderr: the records must reach "distlocks" instead.
+    monkeypatch.setattr(logging.root, "handlers", [])
+    distlocks_logger = logging.getLogger("distlocks")
+    distlocks_logger.addHandler(caplog.handler)
+    try:
+        (alias,) = own_aliases(settings, zk_server, "own", SESSION_TIMEOUT=2, CONNECT_TIMEOUT=1)
+        with frozen(zk_server):
+            # The session timeout is short: kazoo misses its ping answer and drops the connection.
+            deadline = time.monotonic() + 10
+            while not any("Connection dropped" in record.getMessage() for record in caplog.records):
+                assert time.monotonic() < deadline, "no 'Connection dropped' reached the distlocks logger"
+                time.sleep(0.1)
+        connect(alias)
+    finally:
+        distlocks_logger.removeHandler(caplog.handler)
+    dropped = [record for record in caplog.records if "Connection dropped" in record.getMessage()]
+    assert all(record.name.startswith("distlocks.") for record in dropped)
+    assert "Connection dropped" not in capfd.readouterr().err
 
 
 def test_drop_frees_the_lock_of_a_thread_that_ended_holding_it_without_blocking_when_the_server_freezes(

@@ -7,7 +7,9 @@ child just below its own (no herd) and gets the lock in the order it asked.
 An ephemeral node lives as long as the session that created it, so a holder
 that crashes or is cut off frees its lock when its session expires
 (``SESSION_TIMEOUT``), not after a lease: on this backend ``ttl`` only sets how
-often the watchdog checks that the node is still there.
+often the watchdog checks that the node is still there (``ttl_is_lease`` is
+False: a hold that cannot be checked for longer than ``ttl`` is not lost for
+that, only once its session may have expired, below).
 
 Faults: when the connection is ``SUSPENDED`` the holder cannot know whether it
 still holds the lock. Its holds are checked at once and renewals fail until it
@@ -23,11 +25,22 @@ thread that ended holding it) or creation could not reach the server is
 deleted in the background as soon as the connection allows, and an inner
 release or a failed re-entry never puts the hold count out of step.
 
+Time: an acquire's requests share one bound, its ``wait`` plus
+``CONNECT_TIMEOUT`` (each other call: ``CONNECT_TIMEOUT``), the first
+connection included: a client that does not connect in time is closed in
+the background and the next call starts another. kazoo's log messages
+("Connection dropped", its reconnection attempts) go to the logger
+``distlocks.backends.zookeeper.kazoo``, never by Python's last-resort handler
+to stderr.
+
 The fencing token is the node's creation zxid: ZooKeeper's transaction ids only
 grow, across leader elections and the deletion of empty lock parents, so it is
 strictly increasing per lock name (and across all of them). ``force_release``
 with a token deletes exactly the node created at that zxid, never a later
-holder's.
+holder's. A read-write lock's queue is not served in creation order (a
+downgrade passes a queued writer), so a side's token is the zxid of a write
+to its node made once it is let in, unless nothing happened under the lock
+since its node's creation (see ``rw.ZooKeeperSide``).
 
 Access: with ``OPTIONS['AUTH']`` (e.g. ``[("digest", "user:password")]``), lock
 nodes and the parents distlocks creates get ``CREATOR_ALL_ACL`` plus world read:

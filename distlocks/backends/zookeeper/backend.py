@@ -11,87 +11,13 @@ from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 
 from distlocks.backends.base import AsyncTurn, BaseLockBackend, LockInfo, check_positive_number
-from distlocks.backends.sides import ReadWriteSide
 from distlocks.backends.zookeeper.inspection import Inspection
-from distlocks.backends.zookeeper.nodes import escape, new_mark, new_rw_mark, queue, rw_blockers, rw_queue, sequence
+from distlocks.backends.zookeeper.nodes import escape, new_mark, node_data, queue, sequence
+from distlocks.backends.zookeeper.rw import ZooKeeperSide
 from distlocks.backends.zookeeper.session import Session, shared_session
 from distlocks.backends.zookeeper.turn import ZooKeeperTurn
 from distlocks.exceptions import BackendUnavailable
 from distlocks.owner import Owner
-
-
-class ZooKeeperSide(ReadWriteSide):
-    """A read-write lock's side: kazoo's ReadLock/WriteLock recipe (see ``ReadWriteSide``).
-
-    Under the lock's parent node each acquire queues an ephemeral sequential
-    node, "read-..." or "write-...". A reader holds the lock once no writer is
-    queued before it, a writer once no node is: so a writer that queued
-    blocks the readers that come after it. The write holder's reads queue as
-    "downgrade-...", held at once, and later writers wait for them too. A
-    thread's hold of one side is kept, as the lock's, under "<key>#<mode>".
-    A task's node stays queued between its attempts too (``ZooKeeperTurn``).
-    """
-
-    backend: ZooKeeperBackend
-
-    def try_acquire(self, key: str, owner: Owner, ttl: float) -> int | None:
-        zk, lock, mode = self.backend, self.lock_key(key), self.mode
-        session = zk._session()
-        if key not in zk._queued:
-            with session.lock:
-                writing = mode == "read" and (f"{lock}#write", owner.secret) in session.held
-            zk._queued[key] = zk._create(lock, owner, new_rw_mark("downgrade" if writing else mode))
-        node, token = zk._queued[key]
-        children = rw_queue(zk._request("get_children", zk._parent(lock)))
-        mine = node.rsplit("/", 1)[1]
-        if mine not in children:
-            # Gone with a lost session: queue again, at the back.
-            node, token = zk._queued[key] = zk._create(lock, owner, new_rw_mark(mine.partition("-")[0]))
-            mine = node.rsplit("/", 1)[1]
-            children = rw_queue(zk._request("get_children", zk._parent(lock)))
-        if rw_blockers(children, mine):
-            return None
-        del zk._queued[key]
-        with session.lock:
-            session.held[key, owner.secret] = [node, 1]
-        return token
-
-    def wait(self, key: str, attempt: int, remaining: float | None) -> None:
-        """Wait for the deletion of the last node that keeps ours waiting (at most ``remaining`` seconds)."""
-        blocker = self.blocker(key)
-        if blocker is not None:
-            self.backend._wait_gone(blocker, remaining)
-
-    def blocker(self, key: str) -> str | None:
-        """The last node that keeps our queued node waiting, to watch; None: try again now."""
-        zk = self.backend
-        return zk._last_ahead(
-            key, zk._parent(self.lock_key(key)), lambda nodes, mine: rw_blockers(rw_queue(nodes), mine)
-        )
-
-    def async_turn(self, key: str) -> AsyncTurn:
-        return ZooKeeperTurn(key)
-
-    def begin_wait(self, key: str) -> None:
-        """Nothing to record: a writer's queued node is what keeps later readers waiting."""
-
-    def end_wait(self, key: str, acquired: bool) -> None:
-        self.backend.end_wait(key, acquired)
-
-    def reenter(self, key: str, owner: Owner, ttl: float) -> bool:
-        return self.backend.reenter(key, owner, ttl)
-
-    def release(self, key: str, owner: Owner) -> bool:
-        return self.backend.release(key, owner)
-
-    def extend(self, key: str, owner: Owner, ttl: float) -> bool:
-        return self.backend.extend(key, owner, ttl)
-
-    def drop(self, key: str, owner: Owner) -> bool:
-        return self.backend.drop(key, owner)
-
-    def force_release(self, key: str, token: int | None = None) -> bool:
-        return self.backend._inspection.rw_force_release(self.lock_key(key), token)
 
 
 class ZooKeeperBackend(BaseLockBackend):
@@ -100,6 +26,7 @@ class ZooKeeperBackend(BaseLockBackend):
     max_key_length = 1024
     cleanup_noun = "empty lock nodes"
     session_bound = True
+    ttl_is_lease = False  # a hold lives with its session (see the package docstring)
     side_class = ZooKeeperSide
     option_names = ("ROOT", "SESSION_TIMEOUT", "CONNECT_TIMEOUT", "AUTH", "ACL")
 
@@ -131,6 +58,9 @@ class ZooKeeperBackend(BaseLockBackend):
         self.acl: list[Any] | None = None if acl is None else list(acl)
         # This thread's pending waits: key -> our node path while we queue.
         self._queued: dict[str, tuple[str, int]] = {}  # key -> (our node, its czxid)
+        # This thread's acquire under way must be over by then (monotonic): its
+        # wait and CONNECT_TIMEOUT, whatever its requests (None: no acquire).
+        self._until: float | None = None
         self._inspection = Inspection(alias, self.root, self._request)
 
     # -- the shared session ------------------------------------------------------
@@ -140,16 +70,36 @@ class ZooKeeperBackend(BaseLockBackend):
             self.alias,
             self.location,
             session_timeout=self.session_timeout,
-            connect_timeout=self.connect_timeout,
+            connect_timeout=self._time_left(),
             auth=self.auth,
             acl=self.acl,
         )
 
+    def _time_left(self) -> float:
+        """How long the next request may take: ``CONNECT_TIMEOUT``, and no longer than the acquire under way."""
+        if self._until is None:
+            return self.connect_timeout
+        return min(self.connect_timeout, self._until - time.monotonic())
+
     def _request(self, operation: str, *args: Any, limit: float | None = None, **kwargs: Any) -> Any:
-        """Run ``client.<operation>`` for at most ``limit`` seconds (default ``CONNECT_TIMEOUT``)."""
-        return self._session().request(
-            operation, *args, limit=self.connect_timeout if limit is None else limit, **kwargs
-        )
+        """Run ``client.<operation>`` for at most ``limit`` seconds (default ``_time_left()``)."""
+        return self._session().request(operation, *args, limit=self._time_left() if limit is None else limit, **kwargs)
+
+    # -- an acquire's time: its requests end within its wait and CONNECT_TIMEOUT --
+
+    def begin_wait(self, key: str) -> None:
+        self._until = time.monotonic() + self.connect_timeout  # the first attempt's
+
+    def _begin_attempt(self) -> None:
+        if self._until is None:  # wait=0 (no begin_wait), or a task's attempt
+            self._until = time.monotonic() + self.connect_timeout
+
+    def _wait_for(self, remaining: float | None) -> None:
+        """The acquire waits ``remaining`` seconds more (None: for ever): its requests may end that much later."""
+        if remaining is None:
+            self._until = None  # each attempt gets CONNECT_TIMEOUT
+        else:
+            self._until = max(self._until or 0.0, time.monotonic() + remaining + self.connect_timeout)
 
     def _parent(self, key: str) -> str:
         return f"{self.root}/{escape(key)}"
@@ -158,6 +108,7 @@ class ZooKeeperBackend(BaseLockBackend):
 
     def try_acquire(self, key: str, owner: Owner, ttl: float) -> int | None:
         session = self._session()
+        self._begin_attempt()
         if key not in self._queued:
             self._queued[key] = self._create(key, owner)
         node, token = self._queued[key]
@@ -170,7 +121,7 @@ class ZooKeeperBackend(BaseLockBackend):
             return None  # queued: wait() watches the node just below ours
         del self._queued[key]
         with session.lock:
-            session.held[key, owner.secret] = [node, 1]
+            session.held[key, owner.secret] = [node, 1, ""]  # node, hold count, token shown in its data
         return token
 
     def _create(self, key: str, owner: Owner, mark: str | None = None) -> tuple[str, int]:
@@ -185,7 +136,7 @@ class ZooKeeperBackend(BaseLockBackend):
             path, stat = self._request(
                 "create",
                 f"{self._parent(key)}/{mark}",
-                f"{owner}|1".encode(),
+                node_data(owner, 1),
                 acl=self._session().acl,
                 ephemeral=True,
                 sequence=True,
@@ -199,6 +150,7 @@ class ZooKeeperBackend(BaseLockBackend):
 
     def wait(self, key: str, attempt: int, remaining: float | None) -> None:
         """Wait for the deletion of the node just below ours (at most ``remaining`` seconds)."""
+        self._wait_for(remaining)
         blocker = self.blocker(key)
         if blocker is not None:
             self._wait_gone(blocker, remaining)
@@ -238,19 +190,41 @@ class ZooKeeperBackend(BaseLockBackend):
 
     def end_wait(self, key: str, acquired: bool) -> None:
         queued = self._queued.pop(key, None)
-        if queued is not None and not acquired:
-            self.leave(queued[0])
+        try:
+            if queued is not None and not acquired:
+                self.leave(queued[0])
+        finally:
+            self._until = None
 
     def leave(self, node: str) -> None:
-        """Delete our queued ``node`` (a waiter that gives up): at once, or as soon as the connection allows."""
+        """Delete our queued ``node`` (a waiter that gives up): at once, or as soon as the connection allows.
+
+        With the acquire's time up, or no connection, it is deleted in the
+        background (``orphan``): the caller does not wait for it.
+        """
         from kazoo.exceptions import NoNodeError
 
         try:
-            self._request("delete", node)
-        except NoNodeError:
-            pass  # gone with its session
+            session = self._session()
         except BackendUnavailable:
-            self._session().orphan(node)
+            return  # a session that never connected created no node
+        try:
+            if session.client.connected and self._time_left() > 0:
+                self._request("delete", node)
+                return
+        except NoNodeError:
+            return  # gone with its session
+        except BackendUnavailable:
+            pass
+        session.orphan(node)
+
+    def leave_by(self, node: str, ends: float | None) -> None:
+        """``leave`` for an acquire whose wait ended at ``ends`` (a task's, in a pool thread): within CONNECT_TIMEOUT of it."""
+        self._until = None if ends is None else ends + self.connect_timeout
+        try:
+            self.leave(node)
+        finally:
+            self._until = None
 
     def _forget(self, key: str, owner: Owner) -> list[Any] | None:
         """Stop counting ``owner``'s hold of ``key`` (the core marks it lost); return its entry."""
@@ -268,7 +242,7 @@ class ZooKeeperBackend(BaseLockBackend):
             count = entry[1]
         try:
             # Writing the count also proves the node is still there (not force-released).
-            present = self._show_count(entry[0], owner, count)
+            present = self._show_count(entry, owner, count)
         except BaseException:
             with session.lock:
                 entry[1] -= 1  # the core does not count a re-entry that raised
@@ -277,12 +251,12 @@ class ZooKeeperBackend(BaseLockBackend):
             self._forget(key, owner)
         return present
 
-    def _show_count(self, node: str, owner: Owner, count: int) -> bool:
-        """Write the hold count into the node, for the admin; False if the node is gone."""
+    def _show_count(self, entry: list[Any], owner: Owner, count: int) -> bool:
+        """Write the hold count into the node of ``entry``, for the admin; False if the node is gone."""
         from kazoo.exceptions import NoNodeError
 
         try:
-            self._request("set", node, f"{owner}|{count}".encode())
+            self._request("set", entry[0], node_data(owner, count, entry[2]))
         except NoNodeError:
             return False
         return True
@@ -309,7 +283,7 @@ class ZooKeeperBackend(BaseLockBackend):
                 del session.held[key, owner.secret]
         if left > 0:
             try:
-                present = self._show_count(entry[0], owner, left)
+                present = self._show_count(entry, owner, left)
             except BackendUnavailable:
                 return True
             if not present:
@@ -361,7 +335,7 @@ class ZooKeeperBackend(BaseLockBackend):
                 return True
             self._forget(key, owner)
             return False
-        except BackendUnavailable:
+        except Exception:  # unavailable, or any error: past the session timeout, nothing else gives the hold up
             if not session.may_have_expired():
                 raise
         self.drop(key, owner)

@@ -12,7 +12,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from distlocks.backends.base import LockInfo
-from distlocks.backends.zookeeper.nodes import escape, queue, rw_blockers, rw_queue, unescape
+from distlocks.backends.zookeeper.nodes import escape, parse_data, queue, rw_blockers, rw_queue, unescape
 
 
 class Inspection:
@@ -47,14 +47,14 @@ class Inspection:
             yield self._node_info(escaped, data, stat, len(children) - 1)
 
     def _node_info(self, escaped: str, data: bytes, stat: Any, waiters: int, kind: str = "lock") -> LockInfo:
-        """A holder as its node under the parent ``escaped`` shows it (its data: "owner|count")."""
-        holder, _, count = data.decode(errors="replace").rpartition("|")
+        """A holder as its node under the parent ``escaped`` shows it (its data: see ``node_data``)."""
+        holder, count, token = parse_data(data, stat)
         return LockInfo(
             alias=self.alias,
             key=unescape(escaped),
             owner=holder,
-            hold_count=int(count) if count.isdigit() else 1,
-            token=int(stat.czxid),
+            hold_count=count,
+            token=token,
             acquired_at=datetime.fromtimestamp(stat.ctime / 1000, timezone.utc),
             waiters=waiters,
             kind=kind,
@@ -102,7 +102,7 @@ class Inspection:
         return True
 
     def rw_force_release(self, key: str, token: int | None = None) -> bool:
-        """Delete a holder's node: with ``token``, the one whose czxid it is (a path names one acquisition)."""
+        """Delete a holder's node: with ``token``, the one of that acquisition (a path names one acquisition)."""
         from kazoo.exceptions import NoNodeError
 
         try:

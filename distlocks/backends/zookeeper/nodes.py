@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import uuid
+from typing import Any
 from urllib.parse import quote, unquote
 
 PREFIX = "lock-"
@@ -40,6 +41,28 @@ def rw_blockers(children: list[str], mine: str) -> list[str]:
     if kind == "read":
         return [child for child in before if child.startswith("write-")]
     return before + [child for child in children[children.index(mine) :] if child.startswith("downgrade-")]
+
+
+def node_data(owner: object, count: int, token: str = "") -> bytes:
+    """A node's data, for operators: "owner|count", with "|t<token>" when its token is not its creation zxid.
+
+    "|t" alone: the token is the zxid of the write that put it there (the
+    node's ``mzxid`` until the count is written again, with the token).
+    """
+    return f"{owner}|{count}{'|' + token if token else ''}".encode()
+
+
+def parse_data(data: bytes, stat: Any) -> tuple[str, int, int]:
+    """The owner, hold count and token that a node's data (``node_data``) and ``stat`` show."""
+    text = data.decode(errors="replace")
+    token = int(stat.czxid)
+    head, _, last = text.rpartition("|")
+    if head and last.startswith("t") and last[1:].isdigit():
+        token, text = int(last[1:]), head
+    elif head and last == "t":
+        token, text = int(stat.mzxid), head
+    holder, _, count = text.rpartition("|")
+    return holder, int(count) if count.isdigit() else 1, token
 
 
 def escape(key: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -12,6 +13,15 @@ from django.core.exceptions import ImproperlyConfigured
 
 from distlocks.backends.base import holds_in_doubt
 from distlocks.exceptions import BackendUnavailable
+
+#: kazoo's own messages ("Connection dropped", "Connection time-out", every
+#: retry of a reconnection): under distlocks, where a project's LOGGING finds
+#: them, instead of kazoo's loggers, whose warnings Python's last-resort
+#: handler prints to stderr when logging is not configured. The NullHandler
+#: keeps them off stderr then too; configured handlers (root's, distlocks')
+#: still get them, at kazoo's levels.
+kazoo_logger = logging.getLogger("distlocks.backends.zookeeper.kazoo")
+kazoo_logger.addHandler(logging.NullHandler())
 
 
 class Session:
@@ -39,6 +49,7 @@ class Session:
             auth_data=auth or None,
             connection_retry={"max_tries": -1, "max_delay": 1.0},
             command_retry={"max_tries": 0},
+            logger=kazoo_logger,
         )
         # With credentials, nodes only their identity may change (others may read).
         self.acl = acl
@@ -46,7 +57,7 @@ class Session:
             self.acl = [*CREATOR_ALL_ACL, *READ_ACL_UNSAFE]
         self.lock = threading.Lock()
         self.started = False
-        # (key, owner secret) -> [node path, hold count]
+        # (key, owner secret) -> [node path, hold count, the token its data shows (node_data)]
         self.held: dict[tuple[str, str], list[Any]] = {}
         # Nodes of ours that a broken connection kept us from deleting, as
         # (lock node, name prefix): deleted when the connection is back, or they
@@ -166,9 +177,18 @@ class Session:
         could hang. A ``create`` that completes after we gave up is deleted
         again, so that no orphan node blocks the lock.
         """
-        from kazoo.exceptions import ConnectionClosedError, ConnectionLoss, NoNodeError, SessionExpiredError
+        from kazoo.exceptions import (
+            ConnectionClosedError,
+            ConnectionLoss,
+            NoNodeError,
+            SessionExpiredError,
+            SessionMovedError,
+        )
 
         client = self.client
+        if limit <= 0:
+            # The caller's time is up (an acquire's wait and CONNECT_TIMEOUT): not sent at all.
+            raise self.unavailable(TimeoutError("no time left to ask the server"))
         deadline = time.monotonic() + limit
         while True:
             sent = time.monotonic()
@@ -184,7 +204,10 @@ class Session:
                     raise self.unavailable(exc) from exc
                 time.sleep(0.05)
                 continue
-            except (ConnectionLoss, ConnectionClosedError) as exc:
+            except (ConnectionLoss, ConnectionClosedError, SessionMovedError) as exc:
+                # Moved: another connection took the session over (this one is
+                # about to be dropped). Unavailable, so that a renewal gives the
+                # hold up once the session may have expired: ttl does not.
                 raise self.unavailable(exc) from exc
             except BaseException as exc:
                 # Timed out, or interrupted while it waited (a signal handler raised):
@@ -196,6 +219,12 @@ class Session:
                 raise
             self.heard(sent)
             return result
+
+    def close(self) -> None:
+        """Stop and close the client (in a thread of its own: kazoo may wait for its connection attempt)."""
+        with contextlib.suppress(Exception):
+            self.client.stop()
+            self.client.close()
 
 
 def _delete_late(client: Any, done: Any) -> None:
@@ -231,6 +260,8 @@ def shared_session(
 ) -> Session:
     """This process's session for ``alias`` on ``location``, created and started at the first call."""
     index = (alias, location)
+    if connect_timeout <= 0 and index not in _sessions:
+        raise BackendUnavailable(f"ZooKeeper {location!r} for locks on {alias!r}: no time left to connect", alias=alias)
     with _sessions_lock:
         session = _sessions.get(index)
         if session is None:
@@ -243,10 +274,19 @@ def shared_session(
             _sessions[index] = session
         if not session.started:
             # Started once: after that kazoo reconnects by itself, and a
-            # second start() could close the session and its locks.
+            # second start() could close the session and its locks. kazoo's
+            # start(timeout) stops a client that did not connect in time and
+            # waits for its connection attempt to end (up to the session
+            # timeout): the caller waits ``connect_timeout`` only, and a
+            # client that did not connect is closed in the background and
+            # replaced at the next call.
             try:
-                session.client.start(timeout=connect_timeout)
-            except Exception as exc:  # kazoo's time-out, or a refused connection
+                live = session.client.start_async()
+            except Exception as exc:  # a refused connection, or a host that does not resolve
                 raise session.unavailable(exc) from exc
+            if not live.wait(connect_timeout) or not session.client.connected:
+                del _sessions[index]
+                threading.Thread(target=session.close, name="distlocks-zookeeper-close", daemon=True).start()
+                raise session.unavailable(TimeoutError(f"not connected within {connect_timeout:.2g}s"))
             session.started = True
     return session

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable
 from typing import Any, Protocol, cast
 
@@ -20,7 +21,7 @@ class _Queue(Protocol):
 
     def blocker(self, key: str) -> str | None: ...
 
-    def leave(self, node: str) -> None: ...
+    def leave_by(self, node: str, ends: float | None) -> None: ...
 
 
 class ZooKeeperTurn(AsyncTurn):
@@ -38,7 +39,8 @@ class ZooKeeperTurn(AsyncTurn):
     the core's backoff, a few ms) the pool thread watches the node that
     keeps ours waiting, as ``wait`` does, and the watch wakes the loop; it
     looks again every second at least (a lost session). ``end`` deletes the
-    node of a task that gave up or was cancelled.
+    node of a task that gave up or was cancelled, within CONNECT_TIMEOUT of
+    the end of its wait (else in the background).
     """
 
     def __init__(self, key: str) -> None:
@@ -48,6 +50,7 @@ class ZooKeeperTurn(AsyncTurn):
         self.changed = asyncio.Event()
         self.tried = False
         self.watching = False  # whether the last failed attempt set a watch
+        self.ends: float | None = time.monotonic()  # when the acquire's wait ends (None: never)
 
     def try_acquire(self, backend: BaseLockBackend, key: str, owner: Owner, ttl: float) -> int | None:
         zk = cast(_Queue, getattr(backend, "backend", backend))  # a side's, or the backend itself
@@ -72,6 +75,7 @@ class ZooKeeperTurn(AsyncTurn):
             self.loop.call_soon_threadsafe(self.changed.set)
 
     async def wait(self, attempt: int, remaining: float | None) -> None:
+        self.ends = None if remaining is None else time.monotonic() + remaining
         if not self.watching:
             await super().wait(attempt, remaining)
             return
@@ -83,9 +87,9 @@ class ZooKeeperTurn(AsyncTurn):
         queued, self.queued = self.queued, None
         if acquired or queued is None:
             return None
-        node = queued[0]
+        node, ends = queued[0], self.ends
 
         def leave(backend: BaseLockBackend) -> None:
-            cast(_Queue, backend).leave(node)
+            cast(_Queue, backend).leave_by(node, ends)
 
         return leave
