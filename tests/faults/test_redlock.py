@@ -370,7 +370,7 @@ def test_a_frozen_nodes_late_take_leaves_no_stray_hold_after_the_release(nodes, 
     _until(lambda: nodes.holding(key) == {1, 2, 3, 4})  # (the last of them may answer after the acquire)
     assert free_elsewhere(name, "rl") is False
     holder.release()
-    assert nodes.holding(key) == set()
+    _until(lambda: nodes.holding(key) == set())  # the release returns at a majority: a slow node's follows
     thawed = time.monotonic()
     nodes.thaw(0)  # the take node 0 buffered runs now, after the release
     _settle(nodes, 0)
