@@ -228,6 +228,15 @@ def children(pid):
         return [int(child) for child in listed.read().split()]
 
 
+# Start a command with Ctrl-C's default action, as a terminal does: a process started in the background by a
+# shell (CI's, or ``... &``) inherits SIGINT ignored, and so would the command, whatever it does.
+SIGINT_AS_IN_A_TERMINAL = [
+    sys.executable,
+    "-c",
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.executable, [sys.executable, *sys.argv[1:]])",
+]
+
+
 def signal_masks(pid):
     """The signals process ``pid`` ignores, blocks and catches (/proc/PID/status), for a failure's message."""
     with open(f"/proc/{pid}/status") as status:
@@ -247,7 +256,7 @@ def state(pid):
 def test_ctrl_c_or_sigterm_during_a_pause_ends_every_process_and_drops_the_tables(number):
     command = subprocess.Popen(
         [
-            sys.executable,
+            *SIGINT_AS_IN_A_TERMINAL,
             "manage.py",
             "distlocks_verify",
             "--skip-checks",
