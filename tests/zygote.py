@@ -11,9 +11,9 @@ scenario as ``python -m tests.worker`` would and exits through the interpreter's
 normal shutdown. The template reaps it and tells the caller its exit status.
 
 ``ForkedProcess`` is the caller's side: the part of ``subprocess.Popen`` that the
-tests use. ``Template.spawn`` returns None where a fork would differ from a
-fresh process (another environment, or a template that could not fork safely):
-the caller then starts the process as before.
+tests use. The caller keeps one template per environment; ``Template.spawn``
+returns None where the template could not fork safely or has ended: the caller
+then starts the process as before.
 """
 
 from __future__ import annotations
@@ -99,8 +99,9 @@ class Template:
         self.process.stdout.close()
 
     def spawn(self, arguments: list[str], env: dict[str, str]) -> ForkedProcess | None:
-        """A child running ``tests.worker ARGUMENTS``; None if it would not be what a fresh process is."""
-        if not self.ready or self.process.poll() is not None or without_ignored(env) != without_ignored(self.env):
+        """A child running ``tests.worker ARGUMENTS`` with ``env`` (the caller picks the template started with
+        ``env``, see ``without_ignored``); None if the template cannot fork one."""
+        if not self.ready or self.process.poll() is not None:
             return None
         read_end, write_end = os.pipe()
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
