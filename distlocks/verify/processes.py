@@ -106,7 +106,7 @@ class Worker:
         self.signal(signal.SIGKILL)
         self.killed_at = time.monotonic()
         self.process.wait()
-        self.in_window = False
+        self.in_window = self.stopped = False
         return self.killed_at
 
     def finish(self, timeout: float) -> None:

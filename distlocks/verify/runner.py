@@ -135,15 +135,29 @@ def _inject(plan: Plan, pool: Pool, origin: float, tick: Progress) -> list[Fault
         victim = pool.holder(within=min(1.0, max(0.0, deadline - time.monotonic())))
         fault = None
         if victim is not None and kind == "kill":
-            at = victim.kill()
-            pool.replace(victim)
-            fault = Fault("kill", victim.pid, at, at)
+            fault = _kill(victim, pool)
         elif victim is not None:
             fault = _pause(victim, pool, plan.lease, deadline, wait_until)
         if fault is not None:
             faults.append(fault)
         next_at = time.monotonic() + (gap if fault else 0.05)
     return faults
+
+
+def _kill(victim: Worker, pool: Pool) -> Fault | None:
+    """SIGKILL ``victim`` inside its section, and start its replacement.
+
+    It is stopped first and what it wrote is read, so that it cannot leave the
+    section between the look and the kill. Return None (it goes on) if it had
+    written already.
+    """
+    victim.pause()
+    if not victim.in_window:
+        victim.resume()
+        return None
+    at = victim.kill()
+    pool.replace(victim)
+    return Fault("kill", victim.pid, at, at)
 
 
 def _pause(victim: Worker, pool: Pool, lease: float, deadline: float, wait_until: Callable[..., None]) -> Fault | None:
