@@ -28,7 +28,13 @@ def check_distlocks(app_configs: Any = None, **kwargs: Any) -> list[checks.Check
     try:
         aliases = list(handler.settings)
     except ImproperlyConfigured as exc:
-        return [checks.Error(str(exc), hint="See DISTLOCKS in the distlocks README.", id="distlocks.E001")]
+        return [
+            checks.Error(
+                str(exc),
+                hint="See the Settings page of the distlocks docs (docs/reference/settings.md).",
+                id="distlocks.E001",
+            )
+        ]
     messages: list[checks.CheckMessage] = []
     sound: list[BaseLockBackend] = []
     for alias in aliases:

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Set up a virtualenv and run the oversell demo on SQLite: no server needed.
 # Extra arguments go to `manage.py oversell` (e.g. --strategies none,lock:default).
-# DISTLOCKS_DB=mariadb|postgresql and the lock servers' variables (see the README's
-# "The oversell demo") add their drivers; the database must exist.
+# DISTLOCKS_DB=mariadb|postgresql and the lock servers' variables (see docs/start/demo.md,
+# "On MariaDB, PostgreSQL, Redis, ZooKeeper") add their drivers; the database must exist.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/lib.sh

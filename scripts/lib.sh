@@ -86,6 +86,22 @@ ensure_databases() {
   fi
 }
 
+# Build the docs site (mkdocs.yml) into a temporary directory with --strict: a
+# broken link or reference, or a page missing from the nav, fails. Then fail if
+# a built page loads a script, a style sheet, a font or an image from another
+# host: the site must work without a network.
+build_docs() {
+  local site status=0
+  site=$(mktemp -d)
+  NO_MKDOCS_2_WARNING=1 "${VENV:-.venv}/bin/mkdocs" build --strict --quiet --site-dir "$site" || status=$?
+  if [ $status -eq 0 ] && grep -rEl '<(script|link|img|source)[^>]* (src|href)="(https?:)?//' "$site" --include='*.html'; then
+    echo "these pages load something from another host (above): vendor it or drop it" >&2
+    status=1
+  fi
+  rm -rf "$site"
+  return $status
+}
+
 # Run a command and note how long it took, for print_times.
 STEP_TIMES=()
 timed() {

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Install everything, start the servers that are not running, lint, type-check
-# and run the whole test suite against SQLite, MariaDB and PostgreSQL: on the
-# newest Python with Django 6.1, and again on Python 3.10 with Django 5.2 LTS.
+# Install everything, start the servers that are not running, lint, type-check,
+# build the docs site (mkdocs build --strict) and run the whole test suite
+# against SQLite, MariaDB and PostgreSQL: on the newest Python with Django
+# 6.1, and again on Python 3.10 with Django 5.2 LTS.
 # Each pass spreads the tests over TEST_WORKERS pytest-xdist workers (default 2;
 # 0 runs them in one process), each with servers and databases of its own.
 # Extra arguments go to pytest. Every step's time is printed at the end.
@@ -20,6 +21,7 @@ timed ensure_databases
 timed .venv/bin/ruff check .
 timed .venv/bin/ruff format --check .
 timed .venv/bin/mypy distlocks demo_shop tests bench localservers.py
+timed build_docs
 python_version() { "$1/bin/python" -c 'import platform; print(platform.python_version())'; }
 echo "The tests on Python $(python_version .venv) with Django $(.venv/bin/python -m django --version):"
 timed pass_log "$logs/1.log" .venv/bin/pytest "${parallel[@]}" "$@"

@@ -22,8 +22,9 @@ from distlocks.inspection import held_locks
 from .conftest import Holder
 
 ROOT = Path(__file__).resolve().parent.parent
-# The README's picture, refreshed on purpose only: DISTLOCKS_REFRESH_SCREENSHOT=1 bash scripts/test.sh -k browser
-README_SCREENSHOT = ROOT / "docs" / "admin-locks.png"
+# The admin page's picture in the docs (docs/operations/admin.md), refreshed on purpose only:
+# DISTLOCKS_REFRESH_SCREENSHOT=1 bash scripts/test.sh -k browser
+DOCS_SCREENSHOT = ROOT / "docs" / "admin-locks.png"
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
     "--headless",
@@ -97,7 +98,7 @@ def test_force_release_in_a_real_browser(live_server, django_user_model, tmp_pat
                         toggle.click()
                     screenshot = tmp_path / "admin-locks.png"
                     if os.environ.get("DISTLOCKS_REFRESH_SCREENSHOT") == "1":
-                        screenshot = README_SCREENSHOT
+                        screenshot = DOCS_SCREENSHOT
                     page.screenshot(path=str(screenshot))
                     assert screenshot.stat().st_size > 10_000  # a page, not an empty picture
                 finally:

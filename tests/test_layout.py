@@ -1,4 +1,4 @@
-"""The shape of ``distlocks/`` that the README's module map promises: no import cycle (type-only and
+"""The shape of ``distlocks/`` that the module map of docs/contributing.md promises: no import cycle (type-only and
 function-level imports included), backends that import nothing of the layers above them, small modules."""
 
 from __future__ import annotations

@@ -217,12 +217,12 @@ def test_expire_lock_refuses_other_backends(name):
 
 # -- the pytest plugin, in a user's project ---------------------------------------
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+GUIDE = Path(__file__).resolve().parent.parent / "docs" / "guides" / "testing.md"
 
 
-def readme_example(title):
-    """The Python block that follows the README line ``# <title>``."""
-    text = README.read_text()
+def guide_example(title):
+    """The Python block of the testing guide that starts with the line ``# <title>``."""
+    text = GUIDE.read_text()
     start = text.index(f"# {title}\n")
     return text[start : text.index("```", start)]
 
@@ -263,8 +263,8 @@ def user_project(pytester, monkeypatch):
     tests = pytester.mkpydir("shop") / "tests"
     tests.mkdir()
     (tests / "__init__.py").write_text("")
-    (pytester.path / "shop" / "imports.py").write_text(readme_example("shop/imports.py"))
-    (tests / "test_imports.py").write_text(readme_example("shop/tests/test_imports.py") + MORE_USER_TESTS)
+    (pytester.path / "shop" / "imports.py").write_text(guide_example("shop/imports.py"))
+    (tests / "test_imports.py").write_text(guide_example("shop/tests/test_imports.py") + MORE_USER_TESTS)
     return pytester
 
 
