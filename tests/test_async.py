@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -36,14 +37,25 @@ async def until(condition, timeout=30.0):
         await asyncio.sleep(0.01)
 
 
+def waited_for_a_cpu():
+    """Seconds this thread has spent runnable but not running (Linux's schedstat "run delay")."""
+    with open("/proc/thread-self/schedstat") as stat:
+        return int(stat.read().split()[1]) / 1e9
+
+
 async def ticker(gaps, stop):
-    """Tick every 10 ms on the loop until ``stop`` is set, noting each gap between ticks in ``gaps``."""
-    last = time.monotonic()
+    """Tick every 10 ms on the loop until ``stop`` is set, noting each gap between ticks in ``gaps``.
+
+    A gap leaves out the time the loop's thread waited for a CPU: on a loaded
+    machine that is the machine's stall, not the loop's (a blocking call, or
+    CPU work on the loop, still counts).
+    """
+    last, waited = time.monotonic(), waited_for_a_cpu()
     while not stop.is_set():
         await asyncio.sleep(0.01)
-        now = time.monotonic()
-        gaps.append(now - last)
-        last = now
+        now, now_waited = time.monotonic(), waited_for_a_cpu()
+        gaps.append(now - last - (now_waited - waited))
+        last, waited = now, now_waited
 
 
 async def cancel_inside(holdable, while_inside=None):
@@ -195,7 +207,7 @@ def test_a_ticker_never_stalls_while_tasks_wait_for_a_held_lock(alias, name):
         assert holder.release() is None
 
     run(main())
-    assert len(gaps) > 50
+    assert statistics.mean(gaps) < 0.04  # ticks every 10 ms asked for: the loop is mostly free
     assert max(gaps) < 1.0, f"the loop stalled for {max(gaps):.3f}s"
 
 

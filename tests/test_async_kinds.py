@@ -4,6 +4,7 @@ as the kind says, on one loop and across processes; cancellation leaves nothing;
 from __future__ import annotations
 
 import asyncio
+import statistics
 import threading
 import time
 
@@ -317,7 +318,7 @@ def test_a_ticker_never_stalls_while_tasks_wait_for_a_held_kind(alias, leave_not
         assert taken.release() is None
 
     run(main())
-    assert len(gaps) > 50
+    assert statistics.mean(gaps) < 0.04  # ticks every 10 ms asked for: the loop is mostly free
     assert max(gaps) < 1.0, f"the loop stalled for {max(gaps):.3f}s"
 
 

@@ -4,9 +4,12 @@ Backlog policy (a node that does not answer, under steady lock traffic,
 must cost neither unbounded memory nor, once it answers again, a long replay
 of calls that no longer matter, which would keep it out of fresh rounds):
 
-- A call whose round is over is dropped unless it is ``always`` (a release):
-  the asker went on without it, and it was never put to the node, so there is
-  nothing to undo.
+- A call whose round's deadline has passed is dropped unless it is ``always``
+  (a release): the asker went on without it, and it was never put to the
+  node, so there is nothing to undo. A round that the answers settled before
+  its deadline (a majority took the lock) does not drop the calls still
+  queued: a take that lands late holds the lock on one more node, so that a
+  node of the majority that restarts empty does not free it.
 - A release is kept after its round, since it must reach a node still busy
   with a late take of the lock (else that node holds it for nobody), but only
   until the leases that the calls on the same lock queued before it asked for
@@ -79,9 +82,6 @@ class Round:
             if self._over():  # wake the asker only when it can go on: each wake-up costs a thread switch
                 self.changed.notify()
             return True
-
-    def over(self, now: float) -> bool:
-        return self.closed or now >= self.deadline
 
     def _over(self) -> bool:
         return PENDING not in self.answers or (self.settled is not None and self.settled(self.answers))
@@ -182,11 +182,10 @@ class NodeBacklog:
             self.wake.put(None)
 
     def _drop_reason(self, call: Call, now: float) -> str | None:
-        if not call.round_.over(now):
-            return None
         if not call.always:
-            return "round over"
-        return "leases over" if now >= call.until else None
+            return "round over" if now >= call.round_.deadline else None
+        over = call.round_.closed or now >= call.round_.deadline
+        return "leases over" if over and now >= call.until else None
 
     def _sweep(self, now: float, also: frozenset[Call] = frozenset()) -> None:
         """Drop the calls the policy drops by ``now``, and ``also`` these (for lack of room)."""

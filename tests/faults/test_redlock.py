@@ -220,6 +220,25 @@ def test_takes_that_answer_after_the_deadline_of_a_failed_attempt_are_undone(nod
     assert free_elsewhere(name, "rl") is True
 
 
+def test_a_take_queued_behind_a_slow_call_still_reaches_its_node_after_a_majority_answered(nodes, name):
+    """A node whose thread is busy when the majority answers still gets the take, late: then the lock
+    survives any two nodes restarting empty. (Dropped as "round over", it held on three only, and the
+    restart of one of them let a second holder in: test_nodes_restarted_empty_never_make_two_holders.)"""
+    nodes.connect()
+    nodes.freeze(4)
+    first = distlocks.lock(f"{name}-first", using="rl", ttl=30)
+    assert first.acquire(wait=0)  # its take on node 4 waits for the frozen node
+    second = distlocks.lock(name, using="rl", ttl=30)
+    assert second.acquire(wait=0)  # its take on node 4 is queued behind: not put to the node yet
+    nodes.thaw(4)
+    _until(lambda: nodes.holding(second.key) == {0, 1, 2, 3, 4}, f"held on {nodes.holding(second.key)}", seconds=2)
+    for server in nodes.servers[:2]:
+        server.restart()
+    assert free_elsewhere(name, "rl") is False
+    second.release()
+    first.release()
+
+
 def _until(condition, message="timed out", seconds=10.0):
     deadline = time.monotonic() + seconds
     while not condition():
@@ -420,7 +439,8 @@ def _cycles(name, seconds, pace=0.0, during=None):
     ("most", "pace", "drops"),
     [
         (None, 0.005, {"round over", "leases over"}),  # a lease's releases (~200) are kept
-        (100, 0.0, {"round over", "no room"}),  # more than fit: the oldest go
+        # More than fit: those due soonest go (takes whose round is over first, if any has ended by then).
+        (100, 0.0, {"no room"}),
     ],
     ids=["releases-kept-for-their-lease", "backlog-full"],
 )
@@ -453,7 +473,7 @@ def test_a_black_holed_nodes_backlog_stays_bounded_and_it_is_back_in_the_rounds_
         # their leases (the releases of one lease's cycles, up to twice that between two sweeps), or the oldest.
         bound = most or 2 * len(during) / 4.0 * 1 + 2 * redlock_workers.SWEEP_FROM
         assert max(sizes) <= bound, f"{max(sizes)} calls queued for the black-holed node ({len(during)} cycles)"
-        assert set(dropped) == drops
+        assert drops <= set(dropped) <= {"round over", "leases over", "no room"} - ({"leases over"} if most else set())
         # The other four kept the lock going at their own pace: no cycle waited for the black-holed node.
         assert statistics.median(during) < min(deadline, 3 * statistics.median(before) + 0.01)
         # Back soon after the thaw: what it kept drains, and a fresh round reaches it within its deadline.

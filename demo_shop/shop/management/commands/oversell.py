@@ -68,6 +68,9 @@ class Cluster:
         command = [sys.executable, "-m", "gunicorn", "demo_shop.wsgi:application"]
         command += ["--workers", str(workers), "--bind", f"127.0.0.1:{self.port}", "--log-level", "warning"]
         command += ["--timeout", "90"]  # beyond the longest --pause: a stopped worker sends no heartbeat
+        # Imported once, then forked: every worker is ready when the first answers (each importing
+        # Django itself, on a busy machine one worker could serve the whole race alone, and race nobody).
+        command += ["--preload"]
         self.process = subprocess.Popen(command, env=env, cwd=settings.BASE_DIR)
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 60
