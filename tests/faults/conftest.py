@@ -220,9 +220,11 @@ def pgbouncer():
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def _mariadb_answers(socket_path):
-    ping = ["mysqladmin", "--no-defaults", f"--socket={socket_path}", "-uroot", "--connect-timeout=1", "ping"]
-    return subprocess.run(ping, capture_output=True, timeout=30).returncode == 0
+def _galera_ready(socket_path):
+    """The node takes statements: it answers a ping before wsrep is ready, and then refuses them (1047)."""
+    query = ["mariadb", "--no-defaults", f"--socket={socket_path}", "-uroot", "--connect-timeout=1", "-N", "-e"]
+    shown = subprocess.run([*query, "SHOW STATUS LIKE 'wsrep_ready'"], capture_output=True, text=True, timeout=30)
+    return shown.returncode == 0 and shown.stdout.split()[-1:] == ["ON"]
 
 
 @pytest.fixture
@@ -255,7 +257,7 @@ def galera(tmp_path):
     ]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        _wait_for(process, "mariadbd (Galera)", lambda: _mariadb_answers(socket_path))
+        _wait_for(process, "mariadbd (Galera)", lambda: _galera_ready(socket_path))
         yield str(socket_path)
     finally:
         process.terminate()
