@@ -33,6 +33,14 @@ LEASE_ALIASES = [alias for alias in ALIASES if alias != "zookeeper"]
 # Mark modules that use the database: every test runs on its own committed data.
 DB = pytest.mark.django_db(transaction=True, databases=DB_ALIASES)
 
+# The longest tests (a minute and more on a busy machine: the benchmarks, the packages, the oversell
+# races) start first, so that a pass's xdist workers do not end waiting for one of them.
+LONGEST_FIRST = ("tests/test_bench.py::", "tests/test_packaging.py::", "tests/test_commands.py::")
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: not item.nodeid.startswith(LONGEST_FIRST))  # stable: the rest keep their order
+
 
 # The servers that the lock aliases of the ``alias`` parametrisation need.
 ALIAS_SERVERS = {"redis": "redis", "redlock": "redis", "zookeeper": "zookeeper"}
