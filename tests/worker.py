@@ -482,12 +482,13 @@ def fenced_race(database: str, pks: str, first: str, step: str, rounds: str, sta
             say("stale", token, exc.current)
 
 
-def handed_over(kind: str, url: str, name: str, ttl: str, block: str, go: str) -> None:
+def handed_over(kind: str, url: str, name: str, ttl: str, reading: str, block: str, go: str) -> None:
     """Wait through the Redis at ``url`` (the parent's proxy) for ``kind`` with ``ttl``: a "lock", the "permit" of a
     1-permit semaphore, a read-write lock's "write" side, or on an event loop an "async-lock" or "async-write".
 
     Holding it, say "acquired", its token and when its own lease ends (monotonic), then "lost" once it finds the
-    lease gone. The parent pauses it before it reads the hand-over: by SIGSTOP, or (async) once the file
+    lease gone. The parent pauses it before it reads the hand-over: by SIGSTOP while the file ``reading`` exists
+    (a thread reads the release channel: it reads what came meanwhile once it goes on), or (async) once the file
     ``block`` exists its loop spins on CPU work until the file ``go`` exists.
     """
     import asyncio
@@ -496,15 +497,21 @@ def handed_over(kind: str, url: str, name: str, ttl: str, block: str, go: str) -
     from django.test import override_settings
 
     from distlocks.aio import _current
+    from distlocks.backends.redis.handover import Releases
     from distlocks.holds import Hold, holds
 
-    options = {"SOCKET_CONNECT_TIMEOUT": 1, "SOCKET_TIMEOUT": 2}
-    cache = {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": url, "OPTIONS": options}
-    backend = {"BACKEND": "distlocks.backends.redis.RedisBackend", "OPTIONS": {"CACHE": "proxied"}}
-    override_settings(
-        CACHES={**settings.CACHES, "proxied": cache}, DISTLOCKS={**settings.DISTLOCKS, "proxied": backend}
-    ).enable()
+    override_settings(CACHES={**settings.CACHES, "redis": {**settings.CACHES["redis"], "LOCATION": url}}).enable()
     lease = float(ttl)
+    read = Releases._read
+
+    def reading_marked(releases: Releases, timeout: float) -> None:
+        Path(reading).touch()
+        try:
+            read(releases, timeout)
+        finally:
+            Path(reading).unlink()
+
+    Releases._read = reading_marked  # type: ignore[method-assign,assignment]
 
     def acquired(table: dict[tuple[str, str], Hold]) -> Hold:
         [hold] = table.values()  # the semaphore's queue lock is released by now
@@ -513,11 +520,11 @@ def handed_over(kind: str, url: str, name: str, ttl: str, block: str, go: str) -
 
     if not kind.startswith("async"):
         if kind == "permit":
-            distlocks.semaphore(name, 1, using="proxied", ttl=lease, wait=60).acquire()
+            distlocks.semaphore(name, 1, using="redis", ttl=lease, wait=60).acquire()
         elif kind == "write":
-            distlocks.read_write_lock(name, using="proxied", ttl=lease, wait=60).write().acquire()
+            distlocks.read_write_lock(name, using="redis", ttl=lease, wait=60).write().acquire()
         else:
-            distlocks.lock(name, using="proxied", ttl=lease, wait=60).acquire()
+            distlocks.lock(name, using="redis", ttl=lease, wait=60).acquire()
         hold = acquired(holds())
         while not hold.lost:
             time.sleep(0.01)
@@ -526,9 +533,9 @@ def handed_over(kind: str, url: str, name: str, ttl: str, block: str, go: str) -
 
     async def take() -> None:
         if kind == "async-write":
-            await distlocks.aread_write_lock(name, using="proxied", ttl=lease, wait=60).write().acquire()
+            await distlocks.aread_write_lock(name, using="redis", ttl=lease, wait=60).write().acquire()
         else:
-            await distlocks.alock(name, using="proxied", ttl=lease, wait=60).acquire()
+            await distlocks.alock(name, using="redis", ttl=lease, wait=60).acquire()
         hold = acquired(_current().holds)
         while not hold.lost:
             await asyncio.sleep(0.01)

@@ -200,8 +200,9 @@ def test_a_waiter_paused_past_its_handed_over_lease_does_not_take_the_lock_from_
     assert int(token) > next_holder.token
 
 
-# Less than a third of the 6 s lease: the waiter trusts the hand-over it reads after this pause without asking again.
-HAND_OVER_TTL, PAUSE = 6, 1.5
+# Less than a third of the 9 s lease, and of the longest a read-write waiter waits before it asks again (3 s):
+# the waiter trusts the hand-over it reads after this pause without asking again.
+HAND_OVER_TTL, PAUSE = 9, 1.5
 
 
 def same_kind(kind, name):
@@ -213,28 +214,39 @@ def same_kind(kind, name):
     return distlocks.lock(name, using="redis", ttl=HAND_OVER_TTL)
 
 
+def stopped_while(pid, condition):
+    """SIGSTOP ``pid`` at a moment ``condition()`` holds (it still holds while the process is stopped)."""
+    while True:
+        until(condition)
+        os.kill(pid, signal.SIGSTOP)
+        if condition():
+            return
+        os.kill(pid, signal.SIGCONT)
+
+
 def handed_over_while_paused(workers, tmp_path, name, kind):
     """A waiter process (``kind``, through a proxy) is handed the lock while paused for less than a third of its
-    lease, and cut off from Redis just after it resumes; the test takes the lock once the server's lease ends.
+    lease, and cut off from Redis just before it goes on; the test takes the lock once the server's lease ends.
 
     The waiter must count its lease from before the hand-over, so that it believes it holds the lock no longer
     than the server keeps it: it reports the end of its lease, which must come before the test's take.
     """
     proxy = FreezableProxy(REDIS_PORT)
-    block, go = tmp_path / "block", tmp_path / "go"
+    reading, block, go = tmp_path / "reading", tmp_path / "block", tmp_path / "go"
     holding = same_kind(kind, name)
     assert holding.acquire(wait=0)
     url = f"redis://127.0.0.1:{proxy.port}/0"
-    waiter = workers("handed_over", kind, url, name, HAND_OVER_TTL, block, go)
+    waiter = workers("handed_over", kind, url, name, HAND_OVER_TTL, reading, block, go)
     pid = waiter.process.pid
     client = locks["redis"].client
+    queued = lambda: any(client.zcard(queue) for queue in client.scan_iter(match=f"*{name}*:queue"))  # noqa: E731
     try:
-        until(lambda: any(client.zcard(queue) for queue in client.scan_iter(match=f"*{name}*:queue")))
         if kind.startswith("async"):
+            until(queued)
             block.touch()
             assert waiter.line() == ["blocked"]  # its event loop runs nothing now
         else:
-            os.kill(pid, signal.SIGSTOP)  # a GC pause, a VM migration
+            stopped_while(pid, lambda: queued() and reading.exists())  # a GC pause, a VM migration
         holding.release()  # handed over to the paused waiter: the server's lease starts now
         slot = holding.slots[0] if kind.endswith("permit") else holding
         handed = slot.holder()
