@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Generic, TypeVar, overload
 
-from distlocks.backends.base import AsyncPrimitives, AsyncTurn, check_wait
+from distlocks.backends.base import AsyncPrimitives, AsyncTurn, check_wait, lease_start
 from distlocks.exceptions import LockNotAcquired
 from distlocks.handler import DEFAULT_ALIAS, locks
 from distlocks.holds import Hold, acting_for
@@ -280,7 +280,8 @@ class AsyncDistributedLock(AsyncLockAPI):
             raise
         if token is None:
             return False
-        await run_steps(state, lock._record(locks[lock.alias], state.owner, token, started, called))
+        started = lease_start(token, started)
+        await run_steps(state, lock._record(locks[lock.alias], state.owner, int(token), started, called))
         return True
 
     def _end(

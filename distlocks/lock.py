@@ -16,6 +16,7 @@ from distlocks.backends.base import (
     check_positive_number,
     check_wait,
     deadline_after,
+    lease_start,
     time_left,
 )
 from distlocks.exceptions import LockError, LockLost, LockNotOwned
@@ -205,7 +206,7 @@ class DistributedLock(LockAPI):
         """Raise if the calling thread (task) may not ask for this lock at all (see ``WriteLock``)."""
 
     def _record(self, backend: BaseLockBackend, owner: Owner, token: int, started: float, called: float) -> Steps[None]:
-        """Make the lock just taken (``token``, by a request that left at ``started``) the caller's hold, watched."""
+        """Make the lock just taken (``token``, its lease begun at ``started`` at the latest) the caller's hold, watched."""
         hold = Hold(type(self), backend, self.alias, self.name, self.key, owner, token, self.ttl, started + self.ttl)
         mine = holds()
         try:
@@ -240,7 +241,7 @@ class DistributedLock(LockAPI):
     def _take(
         self, backend: BaseLockBackend, owner: Owner, wait: float | None, turn: AsyncTurn | None = None
     ) -> tuple[int, float] | None:
-        """Try until the lock is taken or ``wait`` runs out: (token, when the winning request left), or None.
+        """Try until the lock is taken or ``wait`` runs out: (token, when its lease began at the latest), or None.
 
         An async lock tries once (``wait=0``) as its ``turn``, and waits on its loop.
         """
@@ -257,7 +258,7 @@ class DistributedLock(LockAPI):
                 else:
                     token = turn.try_acquire(backend, self.key, owner, self.ttl)
                 if token is not None:
-                    return token, started
+                    return int(token), lease_start(token, started)
                 remaining = time_left(deadline)
                 if remaining == 0:
                     return None

@@ -482,6 +482,77 @@ def fenced_race(database: str, pks: str, first: str, step: str, rounds: str, sta
             say("stale", token, exc.current)
 
 
+def handed_over(kind: str, url: str, name: str, ttl: str, reading: str, block: str, go: str) -> None:
+    """Wait through the Redis at ``url`` (the parent's proxy) for ``kind`` with ``ttl``: a "lock", the "permit" of a
+    1-permit semaphore, a read-write lock's "write" side, or on an event loop an "async-lock" or "async-write".
+
+    Holding it, say "acquired", its token and when its own lease ends (monotonic), then "lost" once it finds the
+    lease gone. The parent pauses it before it reads the hand-over: by SIGSTOP while the file ``reading`` exists
+    (a thread reads the release channel: it reads what came meanwhile once it goes on), or (async) once the file
+    ``block`` exists its loop spins on CPU work until the file ``go`` exists.
+    """
+    import asyncio
+
+    from django.conf import settings
+    from django.test import override_settings
+
+    from distlocks.aio import _current
+    from distlocks.backends.redis.handover import Releases
+    from distlocks.holds import Hold, holds
+
+    override_settings(CACHES={**settings.CACHES, "redis": {**settings.CACHES["redis"], "LOCATION": url}}).enable()
+    lease = float(ttl)
+    read = Releases._read
+
+    def reading_marked(releases: Releases, timeout: float) -> None:
+        Path(reading).touch()
+        try:
+            read(releases, timeout)
+        finally:
+            Path(reading).unlink()
+
+    Releases._read = reading_marked  # type: ignore[method-assign,assignment]
+
+    def acquired(table: dict[tuple[str, str], Hold]) -> Hold:
+        [hold] = table.values()  # the semaphore's queue lock is released by now
+        say("acquired", hold.token, f"{hold.lease_ends:.6f}")
+        return hold
+
+    if not kind.startswith("async"):
+        if kind == "permit":
+            distlocks.semaphore(name, 1, using="redis", ttl=lease, wait=60).acquire()
+        elif kind == "write":
+            distlocks.read_write_lock(name, using="redis", ttl=lease, wait=60).write().acquire()
+        else:
+            distlocks.lock(name, using="redis", ttl=lease, wait=60).acquire()
+        hold = acquired(holds())
+        while not hold.lost:
+            time.sleep(0.01)
+        say("lost", f"{time.monotonic():.6f}")
+        return
+
+    async def take() -> None:
+        if kind == "async-write":
+            await distlocks.aread_write_lock(name, using="redis", ttl=lease, wait=60).write().acquire()
+        else:
+            await distlocks.alock(name, using="redis", ttl=lease, wait=60).acquire()
+        hold = acquired(_current().holds)
+        while not hold.lost:
+            await asyncio.sleep(0.01)
+        say("lost", f"{time.monotonic():.6f}")
+
+    async def main() -> None:
+        taking = asyncio.create_task(take())
+        while not os.path.exists(block):
+            await asyncio.sleep(0.005)
+        say("blocked")
+        while not os.path.exists(go):
+            sum(range(10_000))  # CPU work: the loop runs nothing else meanwhile
+        await taking
+
+    asyncio.run(main())
+
+
 def queue_and_fork(alias: str, name: str, kind: str = "sync") -> None:
     """Wait for the lock in a thread (or, ``kind`` "async", in a task on a loop in a thread);
     once queued, fork a child that lives on (as a pool's worker would)."""
@@ -526,6 +597,7 @@ def main(argv: list[str]) -> None:
         "first_take": first_take,
         "fork": fork,
         "guarded": guarded,
+        "handed_over": handed_over,
         "hold_permit": hold_permit,
         "multi": multi,
         "permits": permits,

@@ -128,6 +128,28 @@ def time_left(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
+class Granted(int):
+    """A fencing token granted before the attempt that returned it was sent: a release's hand-over to a waiter.
+
+    The server began its lease at the grant, which a waiter may read long
+    after (a paused process, a busy event loop): counted from that attempt, the
+    lease would seem longer than the server keeps it. ``since`` (monotonic) is
+    no later than the grant; the core counts the hold's lease from it.
+    """
+
+    since: float
+
+    def __new__(cls, token: int, since: float) -> Granted:
+        granted = super().__new__(cls, token)
+        granted.since = since
+        return granted
+
+
+def lease_start(token: int, sent: float) -> float:
+    """When the lease of ``token``, returned by an attempt sent at ``sent`` (monotonic), began at the latest."""
+    return min(sent, token.since) if isinstance(token, Granted) else sent
+
+
 def backoff(attempt: int, remaining: float | None) -> float:
     """Seconds to sleep before the next attempt: capped exponential backoff with jitter, at most ``remaining``."""
     delay = min(0.002 * 2 ** min(attempt, 5), 0.05) * random.uniform(0.5, 1.0)
@@ -262,7 +284,10 @@ class BaseLockBackend:
         return key
 
     def try_acquire(self, key: str, owner: Owner, ttl: float) -> int | None:
-        """Take a free (or expired) lock once; return its new fencing token, or None."""
+        """Take a free (or expired) lock once; return its new fencing token, or None.
+
+        A token whose lease began before this call (handed over while the caller waited) is a ``Granted``.
+        """
         raise NotImplementedError("subclasses of BaseLockBackend must provide a try_acquire() method")
 
     def reenter(self, key: str, owner: Owner, ttl: float) -> bool:

@@ -16,6 +16,7 @@ from distlocks.handler import locks
 from distlocks.signals import lock_acquired
 from localservers import REDIS_PORT
 from tests.faults.conftest import frozen
+from tests.faults.test_redis import handed_over_while_paused
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -235,3 +236,13 @@ def test_a_task_cancelled_at_any_turn_of_the_loop_after_its_take_leaves_the_lock
         asyncio.run(main())
     finally:
         lock_acquired.disconnect(receiver)
+
+
+@pytest.mark.servers("redis")
+@pytest.mark.parametrize("alias", ["redis"])
+@pytest.mark.parametrize("kind", ["async-lock", "async-write"])
+def test_a_task_whose_loop_is_blocked_before_it_reads_its_hand_over_counts_its_lease_from_before_it(
+    workers, tmp_path, name, kind, leave_nothing
+):
+    """As a waiting thread paused by SIGSTOP (``handed_over_while_paused``), a task whose loop runs CPU work."""
+    handed_over_while_paused(workers, tmp_path, name, kind)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import signal
 import threading
 import time
@@ -196,6 +198,87 @@ def test_a_waiter_paused_past_its_handed_over_lease_does_not_take_the_lock_from_
     event, token = waiter.line()
     assert event == "acquired"
     assert int(token) > next_holder.token
+
+
+# Less than a third of the 9 s lease, and of the longest a read-write waiter waits before it asks again (3 s):
+# the waiter trusts the hand-over it reads after this pause without asking again.
+HAND_OVER_TTL, PAUSE = 9, 1.5
+
+
+def same_kind(kind, name):
+    """A new lock object of ``kind`` (as ``tests.worker handed_over`` takes it) on the alias "redis"."""
+    if kind.endswith("permit"):
+        return distlocks.semaphore(name, 1, using="redis", ttl=HAND_OVER_TTL)
+    if kind.endswith("write"):
+        return distlocks.read_write_lock(name, using="redis", ttl=HAND_OVER_TTL).write()
+    return distlocks.lock(name, using="redis", ttl=HAND_OVER_TTL)
+
+
+def stopped_while(pid, condition):
+    """SIGSTOP ``pid`` at a moment ``condition()`` holds (it still holds while the process is stopped)."""
+    while True:
+        until(condition)
+        os.kill(pid, signal.SIGSTOP)
+        if condition():
+            return
+        os.kill(pid, signal.SIGCONT)
+
+
+def handed_over_while_paused(workers, tmp_path, name, kind):
+    """A waiter process (``kind``, through a proxy) is handed the lock while paused for less than a third of its
+    lease, and cut off from Redis just before it goes on; the test takes the lock once the server's lease ends.
+
+    The waiter must count its lease from before the hand-over, so that it believes it holds the lock no longer
+    than the server keeps it: it reports the end of its lease, which must come before the test's take.
+    """
+    proxy = FreezableProxy(REDIS_PORT)
+    reading, block, go = tmp_path / "reading", tmp_path / "block", tmp_path / "go"
+    holding = same_kind(kind, name)
+    assert holding.acquire(wait=0)
+    url = f"redis://127.0.0.1:{proxy.port}/0"
+    waiter = workers("handed_over", kind, url, name, HAND_OVER_TTL, reading, block, go)
+    pid = waiter.process.pid
+    client = locks["redis"].client
+    queued = lambda: any(client.zcard(queue) for queue in client.scan_iter(match=f"*{name}*:queue"))  # noqa: E731
+    try:
+        if kind.startswith("async"):
+            until(queued)
+            block.touch()
+            assert waiter.line() == ["blocked"]  # its event loop runs nothing now
+        else:
+            stopped_while(pid, lambda: queued() and reading.exists())  # a GC pause, a VM migration
+        holding.release()  # handed over to the paused waiter: the server's lease starts now
+        slot = holding.slots[0] if kind.endswith("permit") else holding
+        handed = slot.holder()
+        assert handed is not None, "the release handed the lock to nobody"
+        time.sleep(PAUSE)  # the fault: the waiter reads the hand-over this much later
+        with proxy.frozen(most=30):
+            if kind.startswith("async"):
+                go.touch()
+            else:
+                os.kill(pid, signal.SIGCONT)
+            event, token, lease_ends = waiter.line()
+            assert (event, int(token)) == ("acquired", handed.token)
+            taking = same_kind(kind, name)
+            assert taking.acquire(wait=3 * HAND_OVER_TTL)  # once the server's lease has run out
+            taken_at = time.monotonic()
+            assert float(lease_ends) <= taken_at, (
+                f"the waiter believes it holds the lock {float(lease_ends) - taken_at:.2f}s after another took it"
+            )
+            assert waiter.line()[0] == "lost"
+            taking.release()
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # it ended by itself once it found its lease gone
+            os.kill(pid, signal.SIGCONT)
+        proxy.close()
+
+
+@pytest.mark.parametrize("alias", ["redis"])
+@pytest.mark.parametrize("kind", ["lock", "permit", "write"])
+def test_a_waiter_paused_before_it_reads_its_hand_over_counts_its_lease_from_before_it(
+    workers, tmp_path, name, kind, leave_nothing
+):
+    handed_over_while_paused(workers, tmp_path, name, kind)
 
 
 def voided(name):

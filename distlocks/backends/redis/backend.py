@@ -12,7 +12,7 @@ from typing import Any
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 
-from distlocks.backends.base import AsyncPrimitives, AsyncTurn, BaseLockBackend, LockInfo
+from distlocks.backends.base import AsyncPrimitives, AsyncTurn, BaseLockBackend, Granted, LockInfo
 from distlocks.backends.redis import listing, strays
 from distlocks.backends.redis.handover import Releases, Waiter, releases_for
 from distlocks.backends.redis.keys import (
@@ -180,16 +180,22 @@ class RedisBackend(BaseLockBackend):
         return None
 
     def _handed_over(self, waiter: Waiter, ttl: float, renewal: ScriptCall, token: int) -> Attempt:
-        """Take a lock a release handed to ``waiter``, if its lease is surely still ours.
+        """Take a lock a release handed to ``waiter``, its lease counted from no later than the hand-over.
 
-        The lease began at the hand-over, which came after the waiter queued: a
-        waiter that queued less than a third of ``ttl`` ago has two thirds of the
-        lease ahead at least. One that waited longer, or whose process was paused
-        meanwhile, renews it first (``renewal``): the lease may have run out and the
-        lock gone to someone else. Then it queues again.
+        The server began the lease at the hand-over, which came after the
+        waiter's first queuing attempt was sent (``queued_at``), however late
+        the waiter reads it (a paused process, a busy event loop): counted from
+        then, the lease never seems longer than the server keeps it. A waiter
+        that queued less than a third of ``ttl`` ago has two thirds of it ahead
+        so counted and takes the lock with no request (the common case). One
+        that waited longer renews it first (``renewal``), and its lease counts
+        from this attempt, sent before the renewal: the lease may have run out
+        and the lock gone to someone else (then it queues again).
         """
         waiter.token = 0
-        if time.monotonic() - waiter.queued_at <= ttl / 3 or (yield renewal):
+        if time.monotonic() - waiter.queued_at <= ttl / 3:
+            return Granted(token, waiter.queued_at)
+        if (yield renewal):
             return token
         logger.info("A lock handed over to a waiter was gone when it woke: queueing again")
         return None
