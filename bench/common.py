@@ -24,10 +24,11 @@ def arguments(
     contended_rounds: int | None = None,
     databases: Sequence[str] = (),
     pin: bool = False,
+    processes: int | None = None,
 ) -> argparse.Namespace:
     """Parse the common options; ``--worker`` (hidden) takes ``worker_args`` values.
 
-    ``--contended-rounds`` is offered only to a script that gives it a default,
+    ``--contended-rounds`` and ``--processes`` are offered only to a script that gives them a default,
     ``--databases`` only to one that names the databases it measures on,
     ``--pin`` and ``--uncontended-only`` only to one that asks for them.
     """
@@ -35,6 +36,10 @@ def arguments(
     parser.add_argument("--cycles", type=int, default=cycles, help="acquire+release cycles per round")
     parser.add_argument("--rounds", type=int, default=rounds, help="interleaved rounds per contender")
     parser.add_argument("--seconds", type=float, default=5, help="length of each contended run")
+    if processes is not None:
+        parser.add_argument(
+            "--processes", type=int, default=processes, help="processes contending for the lock in each contended run"
+        )
     if contended_rounds is not None:
         parser.add_argument(
             "--contended-rounds", type=int, default=contended_rounds, help="contended runs per contender"

@@ -1,12 +1,12 @@
 """Benchmark the database backend against django-db-mutex and each server's own lock.
 
-    .venv/bin/python bench/db_locks.py [--cycles 300] [--rounds 5] [--seconds 5] [--databases postgresql ...]
+    .venv/bin/python bench/db_locks.py [--cycles 300] [--rounds 5] [--seconds 5] [--processes 4] [--databases postgresql ...]
                                        [--pin same|apart] [--uncontended-only]
 
 Side by side in one run, on SQLite, MariaDB and PostgreSQL:
 - uncontended: the latency of one acquire + release (median and p90 of every
   cycle, rounds interleaved so that noise hits every contender alike);
-- contended: 4 processes on one lock, timed for ``--seconds`` after a warm-up
+- contended: ``--processes`` (4) processes on one lock, timed for ``--seconds`` after a warm-up
   (see ``common.contend``), each doing a read-modify-write of a shared
   counter file inside: total cycles/s, the worst
   wait for the lock, the handoff share (how often the next holder is another
@@ -49,7 +49,6 @@ DATABASES = ["default", "mariadb", "postgresql"]
 IMPLS = ["floor", "django-db-mutex", "distlocks", "native"]
 # The native backends' aliases (bench/settings.py), on the databases that have them.
 NATIVE = {"mariadb": "mariadb_native", "postgresql": "postgresql_native"}
-PROCESSES = 4
 
 
 def cycle_of(impl: str, alias: str, name: str) -> tuple[Callable[[], bool], Callable[[], None]] | None:
@@ -145,7 +144,7 @@ def pin_sessions(alias: str, cpu: int) -> None:
                 os.sched_setaffinity(pid, {cpu})
 
 
-def worker(impl: str, alias: str, name: str, seconds: float, counter: str) -> None:
+def worker(impl: str, alias: str, name: str, seconds: float, counter: str, processes: int) -> None:
     """One of the contending processes: print cycles, worst wait, errors as JSON."""
     pair = cycle_of(impl, alias, name)
     assert pair is not None
@@ -174,18 +173,29 @@ def worker(impl: str, alias: str, name: str, seconds: float, counter: str) -> No
             errors.append(str(exc)[:80])
         return waited
 
-    waits, bumps = contend(path, PROCESSES, seconds, cycle)
+    waits, bumps = contend(path, processes, seconds, cycle)
     print(json.dumps({"cycles": len(waits), "worst": max(waits, default=0.0), "bumps": bumps, "errors": errors}))
 
 
-def contended(impl: str, alias: str, seconds: float, tmp: Path) -> dict[str, float] | None:
+def contended(impl: str, alias: str, seconds: float, processes: int, tmp: Path) -> dict[str, float] | None:
     if cycle_of(impl, alias, "probe") is None:
         return None
     counter = tmp / f"counter-{uuid.uuid4().hex}"
     counter.write_text("0")
     name = f"bench-{uuid.uuid4().hex}"
-    command = [sys.executable, __file__, "--worker", impl, alias, name, str(seconds), str(counter)]
-    reports = gather_reports(command, PROCESSES, seconds)
+    command = [
+        sys.executable,
+        __file__,
+        "--processes",
+        str(processes),
+        "--worker",
+        impl,
+        alias,
+        name,
+        str(seconds),
+        str(counter),
+    ]
+    reports = gather_reports(command, processes, seconds)
     cycles = sum(r["cycles"] for r in reports)
     turns = Path(f"{counter}.order").read_text().split()
     return {
@@ -216,10 +226,10 @@ def prepare(databases: list[str]) -> None:
 
 
 def main() -> None:
-    args = arguments(__doc__, 5, databases=DATABASES, pin=True)
+    args = arguments(__doc__, 5, databases=DATABASES, pin=True, processes=4)
     if args.worker:
         impl, alias, name, seconds, counter = args.worker
-        worker(impl, alias, name, float(seconds), counter)
+        worker(impl, alias, name, float(seconds), counter, args.processes)
         return
 
     from rich.console import Console
@@ -239,11 +249,13 @@ def main() -> None:
     tmp.mkdir(parents=True, exist_ok=True)
     os.sched_setaffinity(0, cpus)  # the contenders, started from here, run where the scheduler puts them
     busy = (
-        {} if args.uncontended_only else {(a, i): contended(i, a, args.seconds, tmp) for a in databases for i in IMPLS}
+        {}
+        if args.uncontended_only
+        else {(a, i): contended(i, a, args.seconds, args.processes, tmp) for a in databases for i in IMPLS}
     )
 
     table = Table(
-        title=f"Database locks: {args.rounds}x{args.cycles} uncontended cycles, {PROCESSES} processes x {args.seconds}s contended"
+        title=f"Database locks: {args.rounds}x{args.cycles} uncontended cycles, {args.processes} processes x {args.seconds}s contended"
     )
     for column in [
         "database",

@@ -1,13 +1,13 @@
 """Benchmark the Redis backend against redis-py's Lock, python-redis-lock, pottery and the floor.
 
     .venv/bin/python bench/redis_locks.py [--url redis://127.0.0.1:6379/15] [--cycles 100] [--rounds 50]
-        [--seconds 5] [--contended-rounds 3]
+        [--seconds 5] [--contended-rounds 3] [--processes 4]
 
 Side by side in one run, on one Redis server:
 - uncontended: the latency of one acquire + release (median and p90 of every
   cycle, rounds interleaved so that noise hits every contender alike; the
   ratios are medians of per-round ratios);
-- contended: 4 processes on one lock, timed for ``--seconds`` after a warm-up
+- contended: ``--processes`` (4) processes on one lock, timed for ``--seconds`` after a warm-up
   (see ``common.contend``), each doing a read-modify-write of a shared
   counter file inside: total cycles/s, the median,
   p99 and worst wait for the lock (each the median over ``--contended-rounds``
@@ -50,7 +50,6 @@ IMPLS = [
     "distlocks Redlock x5",
 ]
 NODE_PORTS = [16390 + i for i in range(5)]  # the bench's own Redlock nodes
-PROCESSES = 4
 COMPARE_AND_DELETE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
@@ -115,27 +114,39 @@ def uncontended(impl: str, cycles: int) -> list[float]:
     return time_cycles(*cycle_of(impl, f"bench-{uuid.uuid4().hex}"), cycles)
 
 
-def worker(impl: str, name: str, seconds: float, counter: str) -> None:
+def worker(impl: str, name: str, seconds: float, counter: str, processes: int) -> None:
     """One of the contending processes: print its cycles and waits as JSON."""
-    waits, bumps = contend_blocking(*cycle_of(impl, name), Path(counter), PROCESSES, seconds)
+    waits, bumps = contend_blocking(*cycle_of(impl, name), Path(counter), processes, seconds)
     print(json.dumps({"waits": waits, "bumps": bumps}))
 
 
-def contended(impl: str, url: str, seconds: float, tmp: Path) -> dict[str, float]:
+def contended(impl: str, url: str, seconds: float, processes: int, tmp: Path) -> dict[str, float]:
     counter = tmp / f"counter-{uuid.uuid4().hex}"
     counter.write_text("0")
     name = f"bench-{uuid.uuid4().hex}"
-    command = [sys.executable, __file__, "--url", url, "--worker", impl, name, str(seconds), str(counter)]
-    return run_contenders(command, counter, PROCESSES, seconds)[1]
+    command = [
+        sys.executable,
+        __file__,
+        "--url",
+        url,
+        "--processes",
+        str(processes),
+        "--worker",
+        impl,
+        name,
+        str(seconds),
+        str(counter),
+    ]
+    return run_contenders(command, counter, processes, seconds)[1]
 
 
 def main() -> None:
     # Short rounds (about 30 ms each) spread this shared machine's bursts of noise over every contender.
-    args = arguments(__doc__, 4, cycles=100, rounds=50, contended_rounds=3)
+    args = arguments(__doc__, 4, cycles=100, rounds=50, contended_rounds=3, processes=4)
     setup(args.url)
     if args.worker:
         impl, name, seconds, counter = args.worker
-        worker(impl, name, float(seconds), counter)
+        worker(impl, name, float(seconds), counter, args.processes)
         return
 
     from rich.console import Console
@@ -162,7 +173,7 @@ def run(args: argparse.Namespace, Console: Any, Table: Any) -> None:  # noqa: N8
     runs: dict[str, list[dict[str, float]]] = {impl: [] for impl in IMPLS}
     for _ in range(args.contended_rounds):
         for impl in IMPLS:
-            runs[impl].append(contended(impl, args.url, args.seconds, tmp))
+            runs[impl].append(contended(impl, args.url, args.seconds, args.processes, tmp))
     busy = {
         impl: {
             metric: sum(r[metric] for r in measured)
@@ -186,7 +197,7 @@ def run(args: argparse.Namespace, Console: Any, Table: Any) -> None:  # noqa: N8
 
     table = Table(
         title=f"Redis locks on {args.url}: {args.rounds}x{args.cycles} uncontended cycles, "
-        f"{PROCESSES} processes x {args.seconds}s contended, median of {args.contended_rounds} runs"
+        f"{args.processes} processes x {args.seconds}s contended, median of {args.contended_rounds} runs"
     )
     columns = [
         "lock",

@@ -1,12 +1,12 @@
 """Benchmark the ZooKeeper backend against kazoo's Lock recipe and the floor.
 
-    .venv/bin/python bench/zookeeper_locks.py [--cycles 300] [--rounds 5] [--seconds 5]
+    .venv/bin/python bench/zookeeper_locks.py [--cycles 300] [--rounds 5] [--seconds 5] [--processes 4]
 
 Side by side in one run, on a standalone ZooKeeper that the script starts on
 127.0.0.1:12281 (and stops afterwards):
 - uncontended: the latency of one acquire + release (median and p90 of every
   cycle, rounds interleaved);
-- contended: 4 processes on one lock, timed for ``--seconds`` after a warm-up
+- contended: ``--processes`` (4) processes on one lock, timed for ``--seconds`` after a warm-up
   (see ``common.contend``), each doing a read-modify-write of a shared
   counter file inside: total cycles/s, the
   median and worst wait, lost updates, and whether the lock went round in
@@ -38,7 +38,6 @@ from bench.common import arguments, contend_blocking, run_contenders, time_cycle
 os.environ["DJANGO_SETTINGS_MODULE"] = "bench.settings"
 
 IMPLS = ["floor", "kazoo Lock", "distlocks"]
-PROCESSES = 4
 PORT = int(os.environ.get("DISTLOCKS_BENCH_ZK_PORT", "12281"))  # another lets two runs go at once
 
 
@@ -93,7 +92,7 @@ def uncontended(impl: str, cycles: int) -> list[float]:
     return time_cycles(*cycle_of(impl, f"bench-{uuid.uuid4().hex}"), cycles)
 
 
-def worker(impl: str, name: str, seconds: float, counter: str, log: str) -> None:
+def worker(impl: str, name: str, seconds: float, counter: str, log: str, processes: int) -> None:
     """One contending process: print its waits as JSON; log when it asked and when it got the lock."""
     with open(log, "a") as events:
 
@@ -101,7 +100,7 @@ def worker(impl: str, name: str, seconds: float, counter: str, log: str) -> None
             events.write(f"{event} {os.getpid()}\n")
             events.flush()
 
-        waits, bumps = contend_blocking(*cycle_of(impl, name), Path(counter), PROCESSES, seconds, note)
+        waits, bumps = contend_blocking(*cycle_of(impl, name), Path(counter), processes, seconds, note)
     print(json.dumps({"waits": waits, "bumps": bumps}))
 
 
@@ -120,22 +119,33 @@ def fifo_share(log: Path) -> float:
     return fair / total if total else 1.0
 
 
-def contended(impl: str, seconds: float, tmp: Path) -> dict[str, float]:
+def contended(impl: str, seconds: float, processes: int, tmp: Path) -> dict[str, float]:
     counter = tmp / f"counter-{uuid.uuid4().hex}"
     counter.write_text("0")
     log = tmp / f"log-{uuid.uuid4().hex}"
     name = f"bench-{uuid.uuid4().hex}"
-    command = [sys.executable, __file__, "--worker", impl, name, str(seconds), str(counter), str(log)]
-    _, figures = run_contenders(command, counter, PROCESSES, seconds)
+    command = [
+        sys.executable,
+        __file__,
+        "--processes",
+        str(processes),
+        "--worker",
+        impl,
+        name,
+        str(seconds),
+        str(counter),
+        str(log),
+    ]
+    _, figures = run_contenders(command, counter, processes, seconds)
     return {**figures, "fifo": fifo_share(log)}
 
 
 def main() -> None:
-    args = arguments(__doc__, 5)
+    args = arguments(__doc__, 5, processes=4)
     setup()
     if args.worker:
         impl, name, seconds, counter, log = args.worker
-        worker(impl, name, float(seconds), counter, log)
+        worker(impl, name, float(seconds), counter, log, args.processes)
         return
 
     from localservers import ZooKeeperServer
@@ -157,11 +167,11 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
         for impl in IMPLS:
             samples[impl] += uncontended(impl, args.cycles)
     # The floor takes no turns: it has no contended run.
-    busy = {impl: contended(impl, args.seconds, tmp) for impl in IMPLS if impl != "floor"}
+    busy = {impl: contended(impl, args.seconds, args.processes, tmp) for impl in IMPLS if impl != "floor"}
     floor = statistics.median(samples["floor"])
     kazoo = statistics.median(samples["kazoo Lock"])
     table = Table(
-        title=f"ZooKeeper locks: {args.rounds}x{args.cycles} uncontended cycles, {PROCESSES} processes x {args.seconds}s contended"
+        title=f"ZooKeeper locks: {args.rounds}x{args.cycles} uncontended cycles, {args.processes} processes x {args.seconds}s contended"
     )
     columns = ["lock", "median µs", "p90 µs", "x floor", "x kazoo", "contended/s", "median wait ms", "worst wait ms"]
     for column in [*columns, "FIFO", "lost updates"]:

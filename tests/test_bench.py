@@ -16,6 +16,8 @@ from .conftest import DB, ROOT
 pytestmark = [DB, pytest.mark.servers("redis", "zookeeper")]
 
 QUICK = ["--cycles", "20", "--rounds", "1", "--seconds", "0.5"]
+# Two contenders race as four do, at half the processes to start (each imports Django and its driver).
+CONTENDERS = ["--processes", "2"]
 # Benchmark databases and ZooKeeper port of this run's own, from its test ports: runs side
 # by side (scripts/test.sh's two passes) must not drop each other's databases.
 ENV = {
@@ -42,9 +44,13 @@ def run(script, tmp_path, results, *arguments):
 @pytest.mark.parametrize(
     ("script", "arguments", "results"),
     [
-        ("redis_locks.py", ["--url", f"redis://127.0.0.1:{REDIS_PORT}/15", "--contended-rounds", "1"], "redis.json"),
-        ("db_locks.py", [], "db.json"),
-        ("zookeeper_locks.py", [], "zookeeper.json"),
+        (
+            "redis_locks.py",
+            ["--url", f"redis://127.0.0.1:{REDIS_PORT}/15", "--contended-rounds", "1", *CONTENDERS],
+            "redis.json",
+        ),
+        ("db_locks.py", CONTENDERS, "db.json"),
+        ("zookeeper_locks.py", CONTENDERS, "zookeeper.json"),
         ("async_locks.py", ["--url", f"redis://127.0.0.1:{REDIS_PORT}/15", "--contended-rounds", "1"], "async.json"),
     ],
 )
