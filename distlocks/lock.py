@@ -274,7 +274,7 @@ class DistributedLock(LockAPI):
         ttl = max(self.ttl, hold.ttl)  # another lock object's shorter ttl must not cut the outer lease
         backend = hold.backend_here()
         try:
-            still_held = yield backend, "reenter", (self.key, hold.owner, ttl)
+            still_held = yield backend, "reenter_token", (self.key, hold.owner, ttl, hold.token)
         except Exception:
             hold.uncounted += 1  # the server may have counted it
             self._lost_with_session(hold, backend)
