@@ -383,7 +383,7 @@ class DistributedLock(LockAPI):
         if hold is None:
             raise self._error(LockNotOwned, "is not held by this thread")
         watchdog().unwatch(hold)
-        if hold.lost or not self._backend.extend(self.key, hold.owner, lease):
+        if hold.lost or not self._backend.extend_token(self.key, hold.owner, lease, hold.token):
             raise self._error(LockLost, "was lost while held")
         return hold.token
 
@@ -393,11 +393,13 @@ class DistributedLock(LockAPI):
         Renewing the lease checks that it is still this owner's; from then on it
         is renewed and released like any hold, with ``token`` as its token.
         """
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise ValueError(f"token must be the int that detach() returned, not {type(token).__name__}")
         if self._hold() is not None:
             raise ValueError(self._message("is already held by this thread: nothing to resume"))
         owner = current_owner()
         started = time.monotonic()
-        if not self._backend.extend(self.key, owner, self.ttl):
+        if not self._backend.extend_token(self.key, owner, self.ttl, token):
             return False
         holder = self._backend.holder(self.key)
         if holder is None or holder.token != token:
