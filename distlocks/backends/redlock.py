@@ -177,6 +177,8 @@ class RedlockBackend(BaseLockBackend):
         # The nodes are Redis backends of their own: same scripts, same keys.
         self.nodes = [RedisBackend(f"{alias}[{cache}]", {"OPTIONS": {"CACHE": cache}}) for cache in caches]
         self.quorum = len(self.nodes) // 2 + 1
+        # key -> (the token of this thread's last acquisition, the nodes whose take for it never answered)
+        self._unanswered: dict[str, tuple[int, frozenset[RedisBackend]]] = {}
 
     def _ask(
         self,
@@ -288,6 +290,13 @@ class RedlockBackend(BaseLockBackend):
             validity = ttl - (time.monotonic() - started) - (ttl * 0.01 + 0.002)
             if agreed and validity > 0:
                 late.settle(acquired=True, token=token)
+                lost = frozenset(
+                    node for node, answer in zip(self.nodes, tokens, strict=True) if isinstance(answer, Failed)
+                )
+                if lost:
+                    self._unanswered[key] = (token, lost)
+                else:
+                    self._unanswered.pop(key, None)
                 return token
         late.settle(acquired=False)
         # Not a majority in time: undo what was taken (or may have been), everywhere it answered.
@@ -326,7 +335,14 @@ class RedlockBackend(BaseLockBackend):
         return self._release(lambda node: node.release(key, owner), key)
 
     def release_token(self, key: str, owner: Owner, token: int) -> bool:
-        return self._release(lambda node: node.release_token(key, owner, token), key)
+        """Release by ``token`` on the nodes that gave it; by owner on those whose take never answered: one
+        that ran after all holds the node under a token of its own (until its lease ends, else)."""
+        last, lost = self._unanswered.get(key, (0, frozenset()))
+        if last != token:
+            lost = frozenset()
+        return self._release(
+            lambda node: node.release(key, owner) if node in lost else node.release_token(key, owner, token), key
+        )
 
     def _release(self, call: Callable[[RedisBackend], bool], key: str) -> bool:
         # Also to a node busy with a take that answers late (kept): else it would hold the lock there, for nobody

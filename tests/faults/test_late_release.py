@@ -214,7 +214,7 @@ def test_a_side_renewal_that_reaches_redis_late_leaves_the_same_threads_next_lea
 @pytest.mark.servers("redis")
 def test_an_async_side_release_that_reaches_redis_late_leaves_the_same_tasks_next_hold(own_redis, settings, name):
     """``aread_write_lock`` releases on the event loop's own client, with the side's script: the same fault."""
-    server = own_redis(REDIS_PORT + 81, SOCKET_CONNECT_TIMEOUT=1, SOCKET_TIMEOUT=0.5)
+    server = own_redis(REDIS_PORT + 86, SOCKET_CONNECT_TIMEOUT=1, SOCKET_TIMEOUT=0.5)
     proxy = proxied_alias(settings, server)
 
     async def scenario():
