@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 
 import pytest
 from django.db import connections
@@ -228,7 +229,9 @@ def test_an_async_side_release_that_reaches_redis_late_leaves_the_same_tasks_nex
                 await first.release()
             assert await again.acquire(wait=10)
             before = scripts_run()
+        deadline = time.monotonic() + 15
         while scripts_run() == before:  # thawed: the old release runs
+            assert time.monotonic() < deadline, "the old release never ran"
             await asyncio.sleep(0.02)
         assert holds_token(again.lock, again.token)
         assert not taken_by_another_owner("write", name, "own")
