@@ -275,7 +275,7 @@ class DistributedLock(LockAPI):
         ttl = max(self.ttl, hold.ttl)  # another lock object's shorter ttl must not cut the outer lease
         backend = hold.backend_here()
         try:
-            still_held = yield backend, "reenter", (self.key, hold.owner, ttl)
+            still_held = yield backend, "reenter_token", (self.key, hold.owner, ttl, hold.token)
         except Exception:
             hold.uncounted += 1  # the server may have counted it
             self._lost_with_session(hold, backend)
@@ -384,7 +384,7 @@ class DistributedLock(LockAPI):
         if hold is None:
             raise self._error(LockNotOwned, "is not held by this thread")
         watchdog().unwatch(hold)
-        if hold.lost or not self._backend.extend(self.key, hold.owner, lease):
+        if hold.lost or not self._backend.extend_token(self.key, hold.owner, lease, hold.token):
             raise self._error(LockLost, "was lost while held")
         return hold.token
 
@@ -394,11 +394,13 @@ class DistributedLock(LockAPI):
         Renewing the lease checks that it is still this owner's; from then on it
         is renewed and released like any hold, with ``token`` as its token.
         """
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise ValueError(f"token must be the int that detach() returned, not {type(token).__name__}")
         if self._hold() is not None:
             raise ValueError(self._message("is already held by this thread: nothing to resume"))
         owner = current_owner()
         started = time.monotonic()
-        if not self._backend.extend(self.key, owner, self.ttl):
+        if not self._backend.extend_token(self.key, owner, self.ttl, token):
             return False
         holder = self._backend.holder(self.key)
         if holder is None or holder.token != token:

@@ -41,6 +41,13 @@ def test_bad_wait_on_acquire():
         distlocks.lock("report").acquire(wait=-1)
 
 
+@pytest.mark.parametrize("token", ["12", 1.0, True, None])
+def test_resume_refuses_a_token_that_is_no_int(token):
+    # The backends compare it on the server now: a str would reach the database as a type error.
+    with pytest.raises(ValueError, match="token must be the int that detach"):
+        distlocks.lock("report").resume(token)
+
+
 def test_unknown_alias():
     with pytest.raises(ImproperlyConfigured, match="DISTLOCKS has no alias 'nope'"):
         distlocks.lock("report", using="nope")

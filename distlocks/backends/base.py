@@ -192,6 +192,8 @@ class AsyncPrimitives(Protocol):
 
     async def reenter(self, key: str, owner: Owner, ttl: float) -> bool: ...
 
+    async def reenter_token(self, key: str, owner: Owner, ttl: float, token: int) -> bool: ...
+
     async def release(self, key: str, owner: Owner) -> bool: ...
 
     async def release_token(self, key: str, owner: Owner, token: int) -> bool: ...
@@ -294,6 +296,10 @@ class BaseLockBackend:
         """Count one more hold by ``owner`` and renew the lease; False if it no longer holds it."""
         raise NotImplementedError("subclasses of BaseLockBackend must provide a reenter() method")
 
+    def reenter_token(self, key: str, owner: Owner, ttl: float, token: int) -> bool:
+        """``reenter()`` ``owner``'s acquisition ``token`` of ``key`` only (see ``release_token``)."""
+        return self.reenter(key, owner, ttl)
+
     def release(self, key: str, owner: Owner) -> bool:
         """Drop one hold, freeing the lock at zero; False if ``owner`` has no live lease."""
         raise NotImplementedError("subclasses of BaseLockBackend must provide a release() method")
@@ -303,7 +309,10 @@ class BaseLockBackend:
 
         A backend whose requests may reach the server late (one stuck on a
         connection after its caller gave up on it) checks the token too, so
-        that a stale release never frees a later acquisition by the same owner.
+        that a stale release never frees a later acquisition by the same owner
+        (a thread keeps its secret). The core releases, renews and re-enters
+        a hold by its token (``*_token``); the plain forms serve a detached
+        lease, whose token the caller may not know.
         """
         return self.release(key, owner)
 

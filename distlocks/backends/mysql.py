@@ -50,7 +50,8 @@ _HOLDER = (
 )
 _RENEW = (
     f"UPDATE {TABLE} n SET {{expiry}}n.hold_count = n.hold_count + %s"
-    f" WHERE n.lock_name = %s AND n.owner_secret = %s AND n.expires_at > {_NOW} AND {_HOLDING}"
+    f" WHERE n.lock_name = %s AND n.owner_secret = %s AND n.id = COALESCE(%s, n.id)"
+    f" AND n.expires_at > {_NOW} AND {_HOLDING}"
 )
 # The session idle holding the lock (the first parameter: its server name) with no lease naming it.
 _UNLEASED = (
@@ -150,9 +151,9 @@ class MySQLLockBackend(NativeLockBackend):
         row = cursor.fetchone()
         return None if row is None else (float(row[0]), int(row[1]))
 
-    def sql_renew(self, cursor: Any, key: str, secret: str, ttl: float | None, more: int) -> bool:
+    def sql_renew(self, cursor: Any, key: str, secret: str, ttl: float | None, more: int, token: int | None) -> bool:
         expiry = "" if ttl is None else f"n.expires_at = {_LATER}, "
-        params = ([] if ttl is None else [round(ttl * 1_000_000)]) + [more, key, secret]
+        params = ([] if ttl is None else [round(ttl * 1_000_000)]) + [more, key, secret, token]
         cursor.execute(_RENEW.format(expiry=expiry), params)
         return bool(cursor.rowcount == 1)
 

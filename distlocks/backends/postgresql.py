@@ -127,7 +127,8 @@ _UNLEASED = (
 )
 _RENEW = (
     f"UPDATE {TABLE} n SET {{expiry}}hold_count = n.hold_count + %s"
-    f" WHERE n.lock_name = %s AND n.owner_secret = %s AND n.expires_at > {_NOW} AND {_HELD_BY_SESSION}"
+    f" WHERE n.lock_name = %s AND n.owner_secret = %s AND n.id = COALESCE(%s, n.id)"
+    f" AND n.expires_at > {_NOW} AND {_HELD_BY_SESSION}"
 )
 _HELD = (
     f"SELECT {HELD_COLUMNS}, (SELECT COUNT(*) FROM pg_locks w WHERE w.locktype = 'advisory' AND NOT w.granted"
@@ -238,9 +239,9 @@ class AdvisoryLockBackend(NativeLockBackend):
         row = cursor.fetchone()
         return None if row is None else (float(row[0]), int(row[1]))
 
-    def sql_renew(self, cursor: Any, key: str, secret: str, ttl: float | None, more: int) -> bool:
+    def sql_renew(self, cursor: Any, key: str, secret: str, ttl: float | None, more: int, token: int | None) -> bool:
         expiry = "" if ttl is None else f"expires_at = {_LATER}, "
-        params = ([] if ttl is None else [round(ttl * 1_000_000)]) + [more, key, secret]
+        params = ([] if ttl is None else [round(ttl * 1_000_000)]) + [more, key, secret, token]
         cursor.execute(_RENEW.format(expiry=expiry), params)
         return bool(cursor.rowcount == 1)
 

@@ -177,6 +177,8 @@ class RedlockBackend(BaseLockBackend):
         # The nodes are Redis backends of their own: same scripts, same keys.
         self.nodes = [RedisBackend(f"{alias}[{cache}]", {"OPTIONS": {"CACHE": cache}}) for cache in caches]
         self.quorum = len(self.nodes) // 2 + 1
+        # key -> (the token of this thread's last acquisition, the nodes whose take for it never answered)
+        self._unanswered: dict[str, tuple[int, frozenset[RedisBackend]]] = {}
 
     def _ask(
         self,
@@ -288,6 +290,13 @@ class RedlockBackend(BaseLockBackend):
             validity = ttl - (time.monotonic() - started) - (ttl * 0.01 + 0.002)
             if agreed and validity > 0:
                 late.settle(acquired=True, token=token)
+                lost = frozenset(
+                    node for node, answer in zip(self.nodes, tokens, strict=True) if isinstance(answer, Failed)
+                )
+                if lost:
+                    self._unanswered[key] = (token, lost)
+                else:
+                    self._unanswered.pop(key, None)
                 return token
         late.settle(acquired=False)
         # Not a majority in time: undo what was taken (or may have been), everywhere it answered.
@@ -312,16 +321,39 @@ class RedlockBackend(BaseLockBackend):
         raised = self._ask(lambda node: node.raise_token(key, owner, token), deadline, _settled(need), nodes=behind)
         return sum(bool(answer) for answer in raised) >= need
 
+    # The ``*_token`` forms name the acquisition on each node (every node of it shows its token, see
+    # ``_agree`` and ``_LateTakes``): a call that waited in a slow node's backlog, or on its connection,
+    # never touches the owner's later acquisition there.
+
     def reenter(self, key: str, owner: Owner, ttl: float) -> bool:
         return self._majority(lambda node: node.reenter(key, owner, ttl), ttl, key, lease=ttl)
 
+    def reenter_token(self, key: str, owner: Owner, ttl: float, token: int) -> bool:
+        return self._majority(lambda node: node.reenter_token(key, owner, ttl, token), ttl, key, lease=ttl)
+
     def release(self, key: str, owner: Owner) -> bool:
+        return self._release(lambda node: node.release(key, owner), key)
+
+    def release_token(self, key: str, owner: Owner, token: int) -> bool:
+        """Release by ``token`` on the nodes that gave it; by owner on those whose take never answered: one
+        that ran after all holds the node under a token of its own (until its lease ends, else)."""
+        last, lost = self._unanswered.get(key, (0, frozenset()))
+        if last != token:
+            lost = frozenset()
+        return self._release(
+            lambda node: node.release(key, owner) if node in lost else node.release_token(key, owner, token), key
+        )
+
+    def _release(self, call: Callable[[RedisBackend], bool], key: str) -> bool:
         # Also to a node busy with a take that answers late (kept): else it would hold the lock there, for nobody
         # (until the leases set there before have run out: the backlog's policy, see ``redlock_workers``).
-        return self._majority(lambda node: node.release(key, owner), self.default_ttl, key, always=True)
+        return self._majority(call, self.default_ttl, key, always=True)
 
     def extend(self, key: str, owner: Owner, ttl: float) -> bool:
         return self._majority(lambda node: node.extend(key, owner, ttl), ttl, key, lease=ttl)
+
+    def extend_token(self, key: str, owner: Owner, ttl: float, token: int) -> bool:
+        return self._majority(lambda node: node.extend_token(key, owner, ttl, token), ttl, key, lease=ttl)
 
     def _majority(
         self, call: Callable[[RedisBackend], bool], ttl: float, key: str, always: bool = False, lease: float = 0.0

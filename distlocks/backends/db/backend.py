@@ -53,27 +53,36 @@ class DatabaseSide(ReadWriteSide):
             self.waiting(key, owner)
         return token
 
-    def _renew(self, key: str, owner: Owner, ttl: float, statement: str) -> bool:
+    def _renew(self, key: str, owner: Owner, ttl: float, statement: str, token: int | None) -> bool:
         def attempt(connection: BaseDatabaseWrapper) -> bool:
             sql = sql_for(connection)
-            params = [sql.lease(ttl), self.lock_key(key), self.mode, owner.secret]
+            params = [sql.lease(ttl), self.lock_key(key), self.mode, owner.secret, token]
             return execute(connection, getattr(sql.rw, statement), params) == 1
 
         return self.backend._run(attempt)
 
     def reenter(self, key: str, owner: Owner, ttl: float) -> bool:
-        return self._renew(key, owner, ttl, "reenter")
+        return self._renew(key, owner, ttl, "reenter", None)
+
+    def reenter_token(self, key: str, owner: Owner, ttl: float, token: int) -> bool:
+        return self._renew(key, owner, ttl, "reenter", token)
 
     def extend(self, key: str, owner: Owner, ttl: float) -> bool:
-        return self._renew(key, owner, ttl, "extend")
+        return self._renew(key, owner, ttl, "extend", None)
+
+    def extend_token(self, key: str, owner: Owner, ttl: float, token: int) -> bool:
+        return self._renew(key, owner, ttl, "extend", token)
 
     def release(self, key: str, owner: Owner) -> bool:
+        return self.release_token(key, owner, None)
+
+    def release_token(self, key: str, owner: Owner, token: int | None) -> bool:
         def attempt(connection: BaseDatabaseWrapper) -> bool:
             sql = sql_for(connection).rw
-            params = [self.lock_key(key), self.mode, owner.secret]
+            params = [self.lock_key(key), self.mode, owner.secret, token]
             if execute(connection, sql.release_last, params) or execute(connection, sql.release_one, params):
                 return True
-            execute(connection, sql.drop, params)  # our expired row, if it is still there
+            execute(connection, sql.drop_mine, params)  # our expired row, if it is still there
             return False
 
         return self.backend._run(attempt)
@@ -183,17 +192,25 @@ class DatabaseBackend(QueuedBackend):
         voids.settle(self.database, key, owner.secret, self._run)
         return self._run_taking(attempt, undo, lost, began)
 
+    # The ``*_token`` forms name the acquisition (its row's id), the others any hold of the owner (a detached one).
+
     def reenter(self, key: str, owner: Owner, ttl: float) -> bool:
+        return self.reenter_token(key, owner, ttl, None)
+
+    def reenter_token(self, key: str, owner: Owner, ttl: float, token: int | None) -> bool:
         def attempt(connection: BaseDatabaseWrapper) -> bool:
             sql = sql_for(connection)
-            return execute(connection, sql.reenter, [sql.lease(ttl), key, owner.secret]) == 1
+            return execute(connection, sql.reenter, [sql.lease(ttl), key, owner.secret, token]) == 1
 
         return self._run(attempt)
 
     def release(self, key: str, owner: Owner) -> bool:
+        return self.release_token(key, owner, None)
+
+    def release_token(self, key: str, owner: Owner, token: int | None) -> bool:
         def attempt(connection: BaseDatabaseWrapper) -> bool:
             sql = sql_for(connection)
-            mine = [key, owner.secret]
+            mine = [key, owner.secret, token]
             kept = self._kept.get(key)
             if kept is not None and sql.release_leaving is not None:
                 if execute(connection, sql.release_leaving, [kept, *mine]):
@@ -201,10 +218,10 @@ class DatabaseBackend(QueuedBackend):
                     return True
             elif self._release_last(connection, key, mine):
                 return True
-            if execute(connection, sql.release_one, [key, owner.secret]):
+            if execute(connection, sql.release_one, mine):
                 return True
             # The lease is gone; drop our expired row, if it is still there, and the place we kept.
-            execute(connection, sql.drop_mine, [key, owner.secret])
+            execute(connection, sql.drop_mine, mine)
             if self._kept.pop(key, None) is not None:
                 execute(connection, sql.dequeue, [kept])
             return False
@@ -212,13 +229,16 @@ class DatabaseBackend(QueuedBackend):
         return self._run(attempt)
 
     def extend(self, key: str, owner: Owner, ttl: float) -> bool:
+        return self.extend_token(key, owner, ttl, None)
+
+    def extend_token(self, key: str, owner: Owner, ttl: float, token: int | None) -> bool:
         def attempt(connection: BaseDatabaseWrapper) -> bool:
             sql = sql_for(connection)
-            return execute(connection, sql.extend, [sql.lease(ttl), key, owner.secret]) == 1
+            return execute(connection, sql.extend, [sql.lease(ttl), key, owner.secret, token]) == 1
 
         return self._run(attempt)
 
-    def _release_last(self, connection: BaseDatabaseWrapper, key: str, mine: list[str]) -> bool:
+    def _release_last(self, connection: BaseDatabaseWrapper, key: str, mine: list[str | int | None]) -> bool:
         """Delete the lock's row if this is its last hold, and wake the first waiter: by NOTIFY (PostgreSQL), or
         by a datagram to the place that the statement names (SQLite); elsewhere waiters poll."""
         sql = sql_for(connection)

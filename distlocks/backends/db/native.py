@@ -169,8 +169,9 @@ class NativeLockBackend(BaseLockBackend):
         lock to, which has yet to write its lease), and the seconds left of its ``TIMEOUT`` to write it; else None."""
         raise NotImplementedError
 
-    def sql_renew(self, cursor: Any, key: str, secret: str, ttl: float | None, more: int) -> bool:
-        """Renew (``ttl``; None: leave it) the live lease of ``secret`` whose session holds the lock, counting ``more`` holds."""
+    def sql_renew(self, cursor: Any, key: str, secret: str, ttl: float | None, more: int, token: int | None) -> bool:
+        """Renew (``ttl``; None: leave it) the live lease of ``secret`` whose session holds the lock, counting ``more``
+        holds; only the acquisition ``token`` (None: any), so that a late renewal never touches the owner's next."""
         raise NotImplementedError
 
     def sql_held(self, cursor: Any, key: str | None) -> list[Sequence[Any]]:
@@ -347,7 +348,7 @@ class NativeLockBackend(BaseLockBackend):
         if hold is None:
             return False
         try:
-            renewed = self._run(hold.connection, lambda c: self.sql_renew(c, key, owner.secret, ttl, 1))
+            renewed = self._run(hold.connection, lambda c: self.sql_renew(c, key, owner.secret, ttl, 1, hold.token))
         except BackendUnavailable:
             self._forget(key, owner)  # its session is gone, and the server's lock with it
             hold.home._put(hold.connection)
@@ -363,7 +364,7 @@ class NativeLockBackend(BaseLockBackend):
         try:
             if hold.count > 1:
                 hold.count -= 1
-                return self._run(hold.connection, lambda c: self.sql_renew(c, key, owner.secret, None, -1))
+                return self._run(hold.connection, lambda c: self.sql_renew(c, key, owner.secret, None, -1, hold.token))
             live = self._run(hold.connection, lambda c: self.sql_unlock(c, key, hold.token))
         except BackendUnavailable:
             self._forget(key, owner)
@@ -374,7 +375,10 @@ class NativeLockBackend(BaseLockBackend):
         return live
 
     def extend(self, key: str, owner: Owner, ttl: float) -> bool:
-        return self._on_any(lambda c: self.sql_renew(c, key, owner.secret, ttl, 0))
+        return self._on_any(lambda c: self.sql_renew(c, key, owner.secret, ttl, 0, None))
+
+    def extend_token(self, key: str, owner: Owner, ttl: float, token: int) -> bool:
+        return self._on_any(lambda c: self.sql_renew(c, key, owner.secret, ttl, 0, token))
 
     def session_ended(self, key: str, owner: Owner) -> bool:
         hold = _holding.get((self.alias, key, owner.secret))

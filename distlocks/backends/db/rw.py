@@ -25,7 +25,8 @@ class ReadWriteStatements:
 
         table = connection.ops.quote_name(ReadWriteHold._meta.db_table)
         returning = " RETURNING id" if connection.vendor == "postgresql" else ""
-        mine = f"lock_name = %s AND mode = %s AND owner_secret = %s AND expires_at > {now}"
+        # As the lock's (``Statements``): the acquisition's row id too, unless None.
+        mine = f"lock_name = %s AND mode = %s AND owner_secret = %s AND id = COALESCE(%s, id) AND expires_at > {now}"
         columns = (
             "lock_name, mode, owner_host, owner_pid, owner_thread, owner_secret, hold_count, acquired_at, expires_at"
         )
@@ -43,6 +44,7 @@ class ReadWriteStatements:
             f"UPDATE {table} SET expires_at = {later} WHERE lock_name = %s AND mode = %s AND owner_secret = %s"
         )
         self.drop = f"DELETE FROM {table} WHERE lock_name = %s AND mode = %s AND owner_secret = %s"
+        self.drop_mine = f"{self.drop} AND id = COALESCE(%s, id)"  # a hold, live or expired
         self.reenter = f"UPDATE {table} SET hold_count = hold_count + 1, expires_at = {later} WHERE {mine}"
         self.extend = f"UPDATE {table} SET expires_at = {later} WHERE {mine}"
         self.release_last = f"DELETE FROM {table} WHERE {mine} AND hold_count <= 1"

@@ -43,7 +43,9 @@ class Statements:
             raise ImproperlyConfigured(f"the database lock backend does not support {connection.display_name}")
         self.now = now
         returning = " RETURNING id" if vendor == "postgresql" else ""
-        mine = f"lock_name = %s AND owner_secret = %s AND expires_at > {now}"
+        # The owner's live hold; the acquisition (its token, the row's id) too, unless None: a request that
+        # reaches the server late (after its caller gave up on it) never touches the owner's next hold.
+        mine = f"lock_name = %s AND owner_secret = %s AND id = COALESCE(%s, id) AND expires_at > {now}"
         self.returning = bool(returning)
         # Insert only if no live waiter queued before the one inserting (the
         # last parameter: its place, or the largest id for one not queued).
@@ -95,16 +97,18 @@ class Statements:
         # On MySQL the last release also deletes the place its holder queued in, if it kept one (the first parameter).
         self.release_leaving = (
             f"DELETE held, kept FROM {table} held LEFT JOIN {queue} kept ON kept.id = %s"
-            f" WHERE held.lock_name = %s AND held.owner_secret = %s AND held.expires_at > {now} AND held.hold_count <= 1"
+            f" WHERE held.lock_name = %s AND held.owner_secret = %s AND held.id = COALESCE(%s, held.id)"
+            f" AND held.expires_at > {now} AND held.hold_count <= 1"
             if vendor == "mysql"
             else None
         )
         self.release_one = f"UPDATE {table} SET hold_count = hold_count - 1 WHERE {mine}"
-        self.drop_mine = f"DELETE FROM {table} WHERE lock_name = %s AND owner_secret = %s"
+        owned = f"DELETE FROM {table} WHERE lock_name = %s AND owner_secret = %s"
+        self.drop_mine = f"{owned} AND id = COALESCE(%s, id)"  # live or expired
         # The row an attempt of this thread of this process may have inserted since (the last parameter: a
         # negative lease) it began: not a hold of another with the same secret (a Celery task's copies).
         self.drop_attempt = (
-            f"{self.drop_mine} AND owner_host = %s AND owner_pid = %s AND owner_thread = %s AND acquired_at >= {later}"
+            f"{owned} AND owner_host = %s AND owner_pid = %s AND owner_thread = %s AND acquired_at >= {later}"
         )
         self.force_release = f"DELETE FROM {table} WHERE lock_name = %s"
         # Compare and delete in one statement: the next holder's row has another id.

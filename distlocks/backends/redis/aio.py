@@ -83,6 +83,9 @@ class AsyncRedis:
     async def reenter(self, key: str, owner: Owner, ttl: float) -> bool:
         return bool(await self._call("reenter", [lock_hash(key)], [owner.secret, lease_ms(ttl)]))
 
+    async def reenter_token(self, key: str, owner: Owner, ttl: float, token: int) -> bool:
+        return bool(await self._call("reenter", [lock_hash(key)], [owner.secret, lease_ms(ttl), token]))
+
     async def release(self, key: str, owner: Owner) -> bool:
         return int(await self._call("release", keys_of_lock(key), [owner.secret])) >= 0
 
@@ -106,9 +109,14 @@ class AsyncRedisSide(AsyncRedis):
         keys = keys_of_read_write_lock(self.lock_key(key))
         return bool(await self._call("rw_renew", keys, [owner.secret, lease_ms(ttl), self.mode, 1]))
 
+    async def reenter_token(self, key: str, owner: Owner, ttl: float, token: int) -> bool:
+        keys = keys_of_read_write_lock(self.lock_key(key))
+        return bool(await self._call("rw_renew", keys, [owner.secret, lease_ms(ttl), self.mode, 1, token]))
+
     async def release(self, key: str, owner: Owner) -> bool:
         keys = keys_of_read_write_lock(self.lock_key(key))
         return int(await self._call("rw_release", keys, [owner.secret, self.mode])) >= 0
 
     async def release_token(self, key: str, owner: Owner, token: int) -> bool:
-        return await self.release(key, owner)  # a side's hold is its owner's (see RedisSide)
+        keys = keys_of_read_write_lock(self.lock_key(key))
+        return int(await self._call("rw_release", keys, [owner.secret, self.mode, token])) >= 0

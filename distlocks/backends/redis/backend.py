@@ -203,6 +203,9 @@ class RedisBackend(BaseLockBackend):
     def reenter(self, key: str, owner: Owner, ttl: float) -> bool:
         return bool(self.call("reenter", [self._hash(key)], [owner.secret, lease_ms(ttl)]))
 
+    def reenter_token(self, key: str, owner: Owner, ttl: float, token: int) -> bool:
+        return bool(self.call("reenter", [self._hash(key)], [owner.secret, lease_ms(ttl), token]))
+
     def release(self, key: str, owner: Owner) -> bool:
         return int(self.call("release", keys_of_lock(key), [owner.secret])) >= 0
 

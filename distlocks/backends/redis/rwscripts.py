@@ -195,14 +195,18 @@ return -math.max(wait, 1)
 """
 )
 
-# ARGV[1] the owner's secret, ARGV[2] the lease in ms, ARGV[3] the mode, ARGV[4] 1 to count one more hold
-# return 1 if renewed, 0 if the owner does not hold that side
+# ARGV[1] the owner's secret, ARGV[2] the lease in ms, ARGV[3] the mode, ARGV[4] 1 to count one more hold;
+# ARGV[5] (if given) the token of the acquisition to renew: a renewal that reaches the server late (after its
+# caller gave up on it) never touches the owner's later acquisition of the side (a reader's token is the
+# first word of its entry past the count)
+# return 1 if renewed, 0 if the owner does not hold that side (that acquisition of it)
 RW_RENEW = (
     COMMON
     + """
 local secret, lease, more = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[4])
 if ARGV[3] == 'write' then
   if writer() ~= secret then return 0 end
+  if ARGV[5] and tonumber(redis.call('HGET', KEYS[1], 'wt')) ~= tonumber(ARGV[5]) then return 0 end
   redis.call('HSET', KEYS[1], 'we', string.format('%d', now + lease))
   if more > 0 then redis.call('HINCRBY', KEYS[1], 'wc', more) end
 else
@@ -214,6 +218,7 @@ else
     redis.call('HDEL', KEYS[1], field, 'g' .. field, 'a' .. field)
     return 0
   end
+  if ARGV[5] and tonumber(string.match(rest, '^(%d+)')) ~= tonumber(ARGV[5]) then return 0 end
   redis.call('HSET', KEYS[1], field, string.format('%d %d %s', now + lease, tonumber(count) + more, rest))
 end
 keep(KEYS[1], lease)
@@ -221,14 +226,17 @@ return 1
 """
 )
 
-# ARGV[1] the owner's secret, ARGV[2] the mode
-# return the holds left (0: released, and the queue served), -1 if the owner does not hold that side
+# ARGV[1] the owner's secret, ARGV[2] the mode; ARGV[3] (if given) the token of the acquisition to release,
+# as RW_RENEW's
+# return the holds left (0: released, and the queue served), -1 if the owner does not hold that side (that
+# acquisition of it)
 RW_RELEASE = (
     COMMON
     + """
 local secret = ARGV[1]
 if ARGV[2] == 'write' then
   if writer() ~= secret then return -1 end
+  if ARGV[3] and tonumber(redis.call('HGET', KEYS[1], 'wt')) ~= tonumber(ARGV[3]) then return -1 end
   local count = redis.call('HINCRBY', KEYS[1], 'wc', -1)
   if count > 0 then return count end
   redis.call('HDEL', KEYS[1], 'w', 'wc', 'wt', 'wi', 'we', 'gw', 'aw')
@@ -241,6 +249,7 @@ else
     redis.call('HDEL', KEYS[1], field, 'g' .. field, 'a' .. field)
     return -1
   end
+  if ARGV[3] and tonumber(string.match(rest, '^(%d+)')) ~= tonumber(ARGV[3]) then return -1 end
   count = tonumber(count) - 1
   if count > 0 then
     redis.call('HSET', KEYS[1], field, string.format('%s %d %s', ends, count, rest))

@@ -121,10 +121,12 @@ return -lease_left
 """
 )
 
-# KEYS[1] the lock hash / ARGV[1] the owner's secret, ARGV[2] the lease in ms
+# KEYS[1] the lock hash / ARGV[1] the owner's secret, ARGV[2] the lease in ms; ARGV[3] (if given) the token
+# of the acquisition to re-enter: one that reaches the server late never counts a hold of the owner's later one
 # return 1 if the owner holds it once more, 0 if it does not hold it
 REENTER = """
-if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
+local owner, token = unpack(redis.call('HMGET', KEYS[1], 'owner', 'token'))
+if owner ~= ARGV[1] or (ARGV[3] and tonumber(token) ~= tonumber(ARGV[3])) then return 0 end
 redis.call('HINCRBY', KEYS[1], 'count', 1)
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1

@@ -63,14 +63,25 @@ class RedisSide(ReadWriteSide):
             primitives = self._async_primitives = AsyncRedisSide(self.redis, self.mode, self.lock_key)
         return primitives
 
+    # The ``*_token`` forms name the acquisition too (see ``BaseLockBackend.release_token``).
+
     def reenter(self, key: str, owner: Owner, ttl: float) -> bool:
         return bool(self._call("rw_renew", key, [owner.secret, lease_ms(ttl), self.mode, 1]))
+
+    def reenter_token(self, key: str, owner: Owner, ttl: float, token: int) -> bool:
+        return bool(self._call("rw_renew", key, [owner.secret, lease_ms(ttl), self.mode, 1, token]))
 
     def extend(self, key: str, owner: Owner, ttl: float) -> bool:
         return bool(self._call("rw_renew", key, [owner.secret, lease_ms(ttl), self.mode, 0]))
 
+    def extend_token(self, key: str, owner: Owner, ttl: float, token: int) -> bool:
+        return bool(self._call("rw_renew", key, [owner.secret, lease_ms(ttl), self.mode, 0, token]))
+
     def release(self, key: str, owner: Owner) -> bool:
         return int(self._call("rw_release", key, [owner.secret, self.mode])) >= 0
+
+    def release_token(self, key: str, owner: Owner, token: int) -> bool:
+        return int(self._call("rw_release", key, [owner.secret, self.mode, token])) >= 0
 
     def force_release(self, key: str, token: int | None = None) -> bool:
         return bool(self._call("rw_force_release", key, ["" if token is None else str(token)]))
