@@ -29,6 +29,7 @@ from distlocks.backends.redis.server import (
     eviction_policy,
     inspected,
     lease_ms,
+    not_django_redis,
     sets_timeout,
     without_password,
 )
@@ -398,21 +399,6 @@ class RedisBackend(BaseLockBackend):
         for warning in self._eviction_warnings(policy):
             logger.warning("%s %s", warning.msg, warning.hint)
 
-    @staticmethod
-    def _not_django_redis(cache: Any) -> str | None:
-        """Why the CACHES entry ``cache`` is not a django-redis cache, or None if it is (no I/O)."""
-        from django.utils.module_loading import import_string
-        from django_redis.cache import RedisCache
-
-        path = cache.get("BACKEND") if isinstance(cache, dict) else None
-        try:
-            backend_class = import_string(str(path))
-        except ImportError as exc:
-            return f"its BACKEND {path!r} cannot be imported ({exc})"
-        if isinstance(backend_class, type) and issubclass(backend_class, RedisCache):
-            return None
-        return f"its BACKEND is {path!r}"
-
     def check(self) -> list[checks.CheckMessage]:
         from django.conf import settings
 
@@ -434,7 +420,7 @@ class RedisBackend(BaseLockBackend):
                     id="distlocks.E005",
                 )
             ]
-        not_redis = self._not_django_redis(settings.CACHES[self.cache])
+        not_redis = not_django_redis(settings.CACHES[self.cache])
         if not_redis:
             return [
                 checks.Error(
