@@ -49,7 +49,7 @@ class Term:
         self.since = hold.acquired
 
     def __repr__(self) -> str:
-        return f"<Term {self.token} of {self.election.name!r} on {self.election.alias!r}{' lost' if self.lost else ''}>"
+        return f"<Term {self.token} of {self.election.name!r} on {self.election.alias!r}>"
 
     @property
     def token(self) -> int:
