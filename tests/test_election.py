@@ -69,7 +69,7 @@ def leader_and_standby(alias, name, workers, leave_nothing):
 @pytest.mark.parametrize("alias", PROCESS_ALIASES, indirect=True)
 def test_one_leader_at_a_time_and_each_term_has_a_larger_token(alias, name, workers, tmp_path, leave_nothing):
     log = tmp_path / "terms"
-    campaigners = [workers("terms", alias, name, 1.5, log) for _ in range(3)]
+    campaigners = [workers("terms", alias, name, 1, log) for _ in range(3)]
     for campaigner in campaigners:
         assert campaigner.finish() == ["done"]
     events = guarded_events(log)  # no two terms at once, tokens strictly increasing
