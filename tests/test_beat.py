@@ -196,7 +196,6 @@ def stop_cleanly(group, term):
     return term
 
 
-@pytest.mark.servers("redis")
 def test_database_scheduler_three_beats(beats):
     """django-celery-beat's schedule on PostgreSQL, the election on the database backend there."""
     group = beats(

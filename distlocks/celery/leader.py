@@ -63,7 +63,13 @@ def _db_time(moment: datetime) -> datetime:
     return moment if settings.USE_TZ else timezone.make_naive(moment)
 
 
+def _from_db(moment: datetime) -> datetime:
+    """A datetime read from the database, aware (naive ones are in the current time zone: no USE_TZ)."""
+    return moment if timezone.is_aware(moment) else timezone.make_aware(moment)
+
+
 def _aware(moment: datetime) -> datetime:
+    """A datetime of Celery's, aware (Celery takes a naive one for UTC)."""
     return moment if timezone.is_aware(moment) else timezone.make_aware(moment, dt_timezone.utc)
 
 
@@ -111,7 +117,7 @@ def last_runs(schedule: str) -> dict[str, datetime]:
     from distlocks.models import BeatDispatch
 
     records = BeatDispatch.objects.filter(schedule=schedule).exclude(ran_at=None)
-    return {name: _aware(ran_at) for name, ran_at in records.values_list("entry", "ran_at")}
+    return {name: _from_db(ran_at) for name, ran_at in records.values_list("entry", "ran_at")}
 
 
 class LeaderScheduler:
@@ -153,8 +159,9 @@ class LeaderScheduler:
         while not self._stopping.is_set():
             try:
                 self.election.run(on_elected, on_lost)
-            except LockError as exc:  # resigning failed: the lease runs out by itself
-                logger.warning("beat: %s", exc)
+            except Exception:  # resigning failed (the lease runs out by itself), or worse: campaign on
+                logger.exception("beat: the campaign for %r failed; campaigning again", self.election.name)
+                self._stopping.wait(STANDBY_LOOK)
             self._elected.clear()
             self._term = None
 
