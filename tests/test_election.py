@@ -209,3 +209,22 @@ def test_bad_arguments(kwargs, message):
 def test_a_negative_wait_is_refused():
     with pytest.raises(ValueError, match="wait must be 0 or more seconds"), distlocks.election("x").lead(wait=-1):
         pass
+
+
+@pytest.mark.parametrize("alias", ["default", "redis"], indirect=True)
+def test_a_leader_force_released_from_the_admin_is_told(alias, name, admin_client, workers, leave_nothing):
+    """The admin lists the leader process as kind "leader"; force-releasing it ends the term, and the leader knows."""
+    from django.utils.html import escape
+
+    from tests.test_admin import HELD_URL, release_post
+
+    leader = workers("lead_until_lost", alias, name, 3)
+    token = elected(leader)
+    key = distlocks.election(name, using=alias).leader().key
+    page = admin_client.get(f"{HELD_URL}?alias={alias}&kind=leader").content.decode()
+    assert escape(key) in page
+    assert '<td class="field-kind">leader</td>' in page
+    after = release_post(admin_client, alias, key, token, url=f"{HELD_URL}?alias={alias}", kind="leader")
+    assert f"Force-released “{alias}: {key}”" in after.content.decode()
+    # Told at its next renewal, within a third of its lease.
+    assert leader.finish(timeout=10) == ["lost", "LeadershipLost", "resigned", "LeadershipLost"]

@@ -538,6 +538,24 @@ def lead(alias: str, name: str, ttl: str, go: str = "") -> None:
         say("resigned", "LeadershipLost")
 
 
+def lead_until_lost(alias: str, name: str, ttl: str) -> None:
+    """Lead the election ("elected TOKEN") until the term is found lost, then say what check() and resigning raise."""
+    election = distlocks.election(name, using=alias, ttl=float(ttl))
+    say("campaigning")
+    try:
+        with election.lead() as term:
+            say("elected", term.token)
+            while not term.lost:
+                time.sleep(0.01)
+            say("lost")
+            try:
+                term.check()
+            except distlocks.LeadershipLost:
+                say("LeadershipLost")
+    except distlocks.LeadershipLost:
+        say("resigned", "LeadershipLost")
+
+
 def terms(alias: str, name: str, seconds: str, log: str) -> None:
     """Lead the election again and again for ``seconds``, each term a short one that resigns; log each term's
     "enter" (with its token) and "exit" to ``log`` (see ``conftest.guarded_events``)."""
@@ -577,6 +595,7 @@ def main(argv: list[str]) -> None:
         "hold": hold,
         "hold_until_lost": hold_until_lost,
         "lead": lead,
+        "lead_until_lost": lead_until_lost,
         "queue_and_fork": queue_and_fork,
         "read_together": read_together,
         "rw_guarded": rw_guarded,
