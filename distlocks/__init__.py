@@ -11,8 +11,10 @@ from distlocks.aiokinds import (
     aread_write_lock,
     asemaphore,
 )
+from distlocks.election import Election, Term, election
 from distlocks.exceptions import (
     BackendUnavailable,
+    LeadershipLost,
     LockError,
     LockLost,
     LockNotAcquired,
@@ -35,6 +37,8 @@ __all__ = [
     "AsyncSemaphore",
     "BackendUnavailable",
     "DistributedLock",
+    "Election",
+    "LeadershipLost",
     "LockError",
     "LockLost",
     "LockNotAcquired",
@@ -44,10 +48,12 @@ __all__ = [
     "Semaphore",
     "StaleToken",
     "SyncLockInAsyncContext",
+    "Term",
     "alock",
     "amulti_lock",
     "aread_write_lock",
     "asemaphore",
+    "election",
     "lock",
     "multi_lock",
     "read_write_lock",

@@ -41,6 +41,7 @@ KIND_LABELS = {
     "multi": _("multi-lock"),
     "read": _("read-write: read"),
     "write": _("read-write: write"),
+    "leader": _("leader"),
 }
 #: The POST fields of the held-locks page: the ticked rows, and the confirmation.
 SELECTED_VAR = "_selected_lock"

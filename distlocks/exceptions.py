@@ -26,6 +26,10 @@ class LockLost(LockError):
     """The lease expired, was taken over or was force-released while held."""
 
 
+class LeadershipLost(LockLost):
+    """A leader's term is over: its lease was lost, or is no longer proven by its own clock (``distlocks.election``)."""
+
+
 class BackendUnavailable(LockError):
     """The lock server cannot be reached; the driver's error is chained."""
 

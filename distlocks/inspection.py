@@ -15,10 +15,12 @@ from distlocks.handler import locks
 from distlocks.owner import task_id_of
 
 #: The kinds of lock, as the admin and ``distlocks_list`` show them ("read" and "write": a read-write lock's sides).
-KINDS = ("lock", "semaphore", "multi", "read", "write")
+KINDS = ("lock", "semaphore", "multi", "read", "write", "leader")
 READ_WRITE = ("read", "write")
 # A semaphore's locks: its permits and its queue (see distlocks.semaphore).
 _SEMAPHORE = re.compile(r"(^|:)sem:.*#(\d+|queue)$")
+# An election's lock (see distlocks.election).
+_LEADER = re.compile(r"(^|:)leader:")
 # A semaphore's record of its permits count: kept on a lease backend as a lease, but held by nobody.
 _PERMITS_RECORD = re.compile(r"(^|:)sem:.*#permits$")
 
@@ -32,6 +34,8 @@ def kind_of(info: LockInfo) -> str:
         return "semaphore"
     if task.startswith("multi="):
         return "multi"
+    if _LEADER.search(info.key):
+        return "leader"
     return "lock"
 
 

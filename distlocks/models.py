@@ -1,4 +1,4 @@
-"""The tables of the database backends: locks, native leases, waiters, read-write holds."""
+"""The tables of the database backends (locks, native leases, waiters, read-write holds) and of the beat's dispatches."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import models
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.utils.translation import gettext_lazy as _
+
+from distlocks.fencing import FencedModel
 
 if apps.apps_ready and not apps.is_installed("distlocks"):  # instead of Django's RuntimeError about app_label
     raise ImproperlyConfigured(
@@ -160,3 +162,28 @@ class ReadWriteHold(Held):
 
     def __str__(self) -> str:
         return f"{self.lock_name} ({self.mode})"
+
+
+class BeatDispatch(FencedModel):
+    """The last dispatch of one entry of a Celery beat schedule, claimed with its leader's fencing token.
+
+    ``distlocks.celery.beat`` claims each dispatch with one fenced ``UPDATE``
+    that moves ``due_at`` forward: a due time is sent once, and not at all by a
+    leader whose term a newer one has replaced.
+    """
+
+    #: The schedule's election (``DISTLOCKS_BEAT["NAME"]``).
+    schedule = LockNameField(_("schedule"), max_length=255)
+    entry = LockNameField(_("entry"), max_length=255)
+    #: When the last dispatched run was due, and when it was sent (the entry's ``last_run_at``).
+    due_at = models.DateTimeField(_("due at"), null=True)
+    ran_at = models.DateTimeField(_("sent at"), null=True)
+
+    class Meta:
+        db_table = "distlocks_beat_dispatch"
+        verbose_name = _("beat dispatch")
+        verbose_name_plural = _("beat dispatches")
+        constraints = [models.UniqueConstraint(fields=["schedule", "entry"], name="distlocks_beat_dispatch_unique")]
+
+    def __str__(self) -> str:
+        return f"{self.schedule}: {self.entry}"

@@ -17,6 +17,7 @@ trap 'print_times; tail -q -n 1 "$logs"/*.log 2>/dev/null' EXIT  # the passes' p
 
 timed apt_ensure pkg-config libmariadb-dev mariadb-client postgresql postgresql-client redis-server zookeeper chromium docker-compose pgbouncer galera-4
 timed venv_install -r requirements.txt
+timed venv_install --no-deps -r requirements-beat.txt
 timed ensure_databases
 timed .venv/bin/ruff check .
 timed .venv/bin/ruff format --check .
@@ -30,5 +31,6 @@ if ! .venv/bin/python -c 'import sys; sys.exit(sys.version_info < (3, 12))'; the
   exit 0
 fi
 VENV=.venv-py310 PYTHON_LOWEST=3.10 PYTHON_HIGHEST=3.10 timed venv_install -r requirements-test.txt "Django==5.2.19"
+VENV=.venv-py310 PYTHON_LOWEST=3.10 PYTHON_HIGHEST=3.10 timed venv_install --no-deps -r requirements-beat.txt
 echo "The same tests on Python $(python_version .venv-py310) with Django 5.2 LTS:"
 timed pass_log "$logs/2.log" .venv-py310/bin/pytest "${parallel[@]}" "$@"

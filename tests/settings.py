@@ -51,6 +51,10 @@ DATABASES: dict[str, dict[str, Any]] = {
 # Worker processes started by the tests use the test databases of their parent.
 for _alias, _name in json.loads(os.environ.get("DISTLOCKS_TEST_DATABASES", "{}")).items():
     DATABASES[_alias]["NAME"] = _name
+# The celery beat processes of tests/test_beat.py keep their schedule in another test database: a beat
+# SIGSTOPped while it writes to SQLite would keep the file's one write lock from every other process.
+if _default := os.environ.get("DISTLOCKS_TEST_DEFAULT_DATABASE"):
+    DATABASES["default"] = DATABASES[_default]
 
 CACHES: dict[str, dict[str, Any]] = {
     "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
@@ -113,3 +117,11 @@ DEMO_PAUSE_DIR = ""  # no pauses: the oversell command sets it for its own gunic
 # Worker processes of the metrics tests export metrics (prometheus-client's multiprocess mode).
 if os.environ.get("DISTLOCKS_TEST_METRICS"):
     INSTALLED_APPS = [*INSTALLED_APPS, "distlocks.metrics"]
+
+# django-celery-beat's tables, for tests/test_beat.py; the election of its beats.
+INSTALLED_APPS = [*INSTALLED_APPS, "django_celery_beat"]
+DISTLOCKS_BEAT = {
+    "USING": os.environ.get("DISTLOCKS_TEST_BEAT_USING", "default"),
+    "TTL": 2,
+    "NAME": os.environ.get("DISTLOCKS_TEST_BEAT_NAME", "celery.beat:tests"),
+}

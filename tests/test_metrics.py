@@ -356,3 +356,20 @@ def test_the_held_locks_page_charts_recent_waits_and_losses(admin_client, settin
     assert (
         'class="recent-charted"' not in admin_client.get("/admin/distlocks/lock/held/?alias=default").content.decode()
     )
+
+
+def test_elections_and_lost_terms_are_counted(name):
+    from distlocks.testing import expire_lock
+
+    def counts():
+        return sample("distlocks_elections_total", alias="locmem"), sample(
+            "distlocks_leadership_lost_total", alias="locmem"
+        )
+
+    before = counts()
+    election = distlocks.election(name, using="locmem", ttl=5)
+    with election.lead(wait=0):
+        pass
+    with pytest.raises(distlocks.LeadershipLost), election.lead(wait=0):
+        expire_lock(f"leader:{name}", using="locmem")  # returns once lock_lost's receivers have run
+    assert [after - earlier for after, earlier in zip(counts(), before, strict=True)] == [2, 1]

@@ -7,6 +7,7 @@ stdout, one line per event, so the parent can wait for "acquired" before acting.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -586,6 +587,68 @@ def queue_and_fork(alias: str, name: str, kind: str = "sync") -> None:
     time.sleep(3600)
 
 
+def lead(alias: str, name: str, ttl: str, go: str = "") -> None:
+    """Say "campaigning", then lead the election ("elected TOKEN"); once the file ``go`` exists, say whether the term
+    is "lost" or "leading", what ``check()`` raises, and what resigning raises. SIGTERM resigns (a clean exit)."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    election = distlocks.election(name, using=alias, ttl=float(ttl))
+    say("campaigning")
+    try:
+        with election.lead() as term:
+            say("elected", term.token)
+            while not (go and Path(go).exists()):
+                time.sleep(0.005)
+            say("lost" if term.lost else "leading")
+            try:
+                term.check()
+                say("checked")
+            except distlocks.LeadershipLost:
+                say("LeadershipLost")
+        say("resigned")
+    except distlocks.LeadershipLost:
+        say("resigned", "LeadershipLost")
+
+
+def lead_until_lost(alias: str, name: str, ttl: str) -> None:
+    """Lead the election ("elected TOKEN") until the term is found lost, then say what check() and resigning raise."""
+    election = distlocks.election(name, using=alias, ttl=float(ttl))
+    say("campaigning")
+    try:
+        with election.lead() as term:
+            say("elected", term.token)
+            while not term.lost:
+                time.sleep(0.01)
+            say("lost")
+            try:
+                term.check()
+            except distlocks.LeadershipLost:
+                say("LeadershipLost")
+    except distlocks.LeadershipLost:
+        say("resigned", "LeadershipLost")
+
+
+def terms(alias: str, name: str, seconds: str, log: str) -> None:
+    """Lead the election again and again for ``seconds``, each term a short one that resigns; log each term's
+    "enter" (with its token) and "exit" to ``log`` (see ``conftest.guarded_events``)."""
+    election = distlocks.election(name, using=alias, ttl=2)
+    deadline = time.monotonic() + float(seconds)
+    with open(log, "a") as events:
+
+        def note(event: str, *more: object) -> None:
+            events.write(" ".join(map(str, [event, os.getpid(), f"{time.monotonic():.3f}", *more])) + "\n")
+            events.flush()
+
+        def on_elected(term: distlocks.Term) -> None:
+            note("enter", term.token)
+            time.sleep(0.02)
+            note("exit")
+
+        while time.monotonic() < deadline:
+            election.run(on_elected)
+            time.sleep(0.01)  # the others' turn
+    say("done")
+
+
 def main(argv: list[str]) -> None:
     scenario, *arguments = argv
     scenarios: dict[str, Callable[..., None]] = {
@@ -603,6 +666,8 @@ def main(argv: list[str]) -> None:
         "permits": permits,
         "hold": hold,
         "hold_until_lost": hold_until_lost,
+        "lead": lead,
+        "lead_until_lost": lead_until_lost,
         "queue_and_fork": queue_and_fork,
         "read_together": read_together,
         "rw_guarded": rw_guarded,
@@ -615,6 +680,7 @@ def main(argv: list[str]) -> None:
         "take_in_turn": take_in_turn,
         "take_when": take_when,
         "take_permit": take_permit,
+        "terms": terms,
     }
     scenarios[scenario](*arguments)
 

@@ -47,7 +47,7 @@ class LockInfo:
     acquired_at: datetime | None = None
     expires_at: datetime | None = None
     waiters: int | None = None
-    #: What kind of lock: "lock", "semaphore", "multi", "read" or "write" (a read-write lock's side).
+    #: What kind of lock: "lock", "semaphore", "multi", "read" or "write" (a read-write lock's side), "leader".
     kind: str = "lock"
 
     def lease_left(self, now: datetime | None = None) -> float | None:
@@ -323,6 +323,18 @@ class BaseLockBackend:
     def extend_token(self, key: str, owner: Owner, ttl: float, token: int) -> bool:
         """``extend()`` the lease of ``owner``'s acquisition ``token`` of ``key`` only (see ``release_token``)."""
         return self.extend(key, owner, ttl)
+
+    def proven_until(self, key: str, owner: Owner, lease_ends: float) -> float:
+        """Until when (monotonic) ``owner``'s hold of ``key`` is certainly still its own, with no request.
+
+        ``lease_ends`` is the hold's lease as the core counts it (from before
+        the request that took or last renewed it): no other owner can take the
+        lock before then. A backend whose holds are no leases (ZooKeeper) says
+        from what it knows of its session instead. A leader checks this before
+        it acts (``distlocks.election``): a process paused past its lease finds
+        it gone before the watchdog's thread has run.
+        """
+        return lease_ends
 
     def wait(self, key: str, attempt: int, remaining: float | None) -> None:
         """Block until the lock may be free, at most ``remaining`` seconds.

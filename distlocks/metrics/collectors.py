@@ -12,6 +12,7 @@ from typing import Any
 
 from prometheus_client import Counter, Histogram
 
+from distlocks.election import PREFIX as LEADER_PREFIX
 from distlocks.metrics import recent
 from distlocks.signals import lock_acquire_failed, lock_acquired, lock_lost, lock_released
 
@@ -38,9 +39,13 @@ acquire_total = Counter(
     ["alias", "result"],
 )
 lost_total = Counter("distlocks_lost", "Holds whose lease was lost while held.", ["alias"])
+elections_total = Counter("distlocks_elections", "Terms won in leader elections (distlocks.election).", ["alias"])
+leadership_lost_total = Counter("distlocks_leadership_lost", "Terms of leader elections lost while leading.", ["alias"])
 
 
-def _acquired(*, alias: str, waited: float, **kwargs: Any) -> None:
+def _acquired(*, name: str, alias: str, waited: float, **kwargs: Any) -> None:
+    if name.startswith(LEADER_PREFIX):
+        elections_total.labels(alias).inc()
     acquire_seconds.labels(alias).observe(waited)
     acquire_total.labels(alias, "acquired").inc()
     recent.note_acquired(alias, waited)
@@ -55,7 +60,9 @@ def _released(*, alias: str, held: float, **kwargs: Any) -> None:
     hold_seconds.labels(alias).observe(held)
 
 
-def _lost(*, alias: str, **kwargs: Any) -> None:
+def _lost(*, name: str, alias: str, **kwargs: Any) -> None:
+    if name.startswith(LEADER_PREFIX):
+        leadership_lost_total.labels(alias).inc()
     lost_total.labels(alias).inc()
     recent.note_lost(alias)
 

@@ -341,6 +341,17 @@ class ZooKeeperBackend(BaseLockBackend):
         self.drop(key, owner)
         return False
 
+    def proven_until(self, key: str, owner: Owner, lease_ends: float) -> float:
+        """The moment the server may expire our session (and delete the node): ``timeout`` after it last heard from us.
+
+        0 once the node is known gone (a session that was lost).
+        """
+        session = self._session()
+        with session.lock:
+            if (key, owner.secret) not in session.held:
+                return 0.0
+        return session.contact + session.timeout
+
     def record(self, key: str, value: str) -> str:
         """Keep ``value`` as the data of the persistent node of ``key`` (``distlocks_cleanup`` deletes it)."""
         from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError

@@ -1,6 +1,7 @@
 """``LockedTask``: Celery task executions that never overlap, across workers.
 
-The only module of distlocks that imports Celery (``pip install 'distlocks[celery]'``).
+This package is the only part of distlocks that imports Celery (``pip install 'distlocks[celery]'``);
+``beat`` has the schedulers of one beat at a time.
 """
 
 from __future__ import annotations
