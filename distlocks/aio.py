@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Generic, TypeVar, overload
 
-from distlocks.backends.base import AsyncPrimitives, AsyncTurn, check_wait, lease_start
+from distlocks.backends.arguments import check_wait
+from distlocks.backends.base import AsyncPrimitives, AsyncTurn, lease_start
 from distlocks.exceptions import LockNotAcquired
 from distlocks.handler import DEFAULT_ALIAS, locks
 from distlocks.holds import Hold, acting_for

@@ -20,7 +20,8 @@ from distlocks.aio import (
     finish_or_undo,
     in_pool,
 )
-from distlocks.backends.base import check_wait, deadline_after, time_left
+from distlocks.backends.arguments import check_wait
+from distlocks.backends.base import deadline_after, time_left
 from distlocks.exceptions import LockNotAcquired
 from distlocks.handler import DEFAULT_ALIAS
 from distlocks.lock import DistributedLock

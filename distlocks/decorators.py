@@ -17,7 +17,7 @@ from django.db import connections, transaction
 from django.http import HttpRequest, HttpResponse
 
 from distlocks.aio import AsyncDistributedLock
-from distlocks.backends.base import check_positive_number, check_wait
+from distlocks.backends.arguments import check_positive_number, check_wait
 from distlocks.exceptions import BackendUnavailable
 from distlocks.handler import DEFAULT_ALIAS
 from distlocks.lock import DistributedLock

@@ -19,7 +19,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
-from distlocks.backends.base import LockInfo, check_name_and_alias, check_wait
+from distlocks.backends.arguments import check_name_and_alias, check_wait
+from distlocks.backends.base import LockInfo
 from distlocks.exceptions import BackendUnavailable, LeadershipLost, LockError, LockLost, LockNotAcquired
 from distlocks.handler import DEFAULT_ALIAS
 from distlocks.holds import Hold

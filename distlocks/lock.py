@@ -8,13 +8,11 @@ import time
 from collections.abc import Generator
 from typing import Any, NoReturn, TypeVar
 
+from distlocks.backends.arguments import check_name_and_alias, check_positive_number, check_wait
 from distlocks.backends.base import (
     AsyncTurn,
     BaseLockBackend,
     LockInfo,
-    check_name_and_alias,
-    check_positive_number,
-    check_wait,
     deadline_after,
     lease_start,
     time_left,

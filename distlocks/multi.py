@@ -12,7 +12,8 @@ import contextlib
 import dataclasses
 from typing import Any
 
-from distlocks.backends.base import check_encodable, check_wait, deadline_after, time_left
+from distlocks.backends.arguments import check_encodable, check_wait
+from distlocks.backends.base import deadline_after, time_left
 from distlocks.exceptions import LockLost, LockNotOwned
 from distlocks.handler import DEFAULT_ALIAS
 from distlocks.lock import DistributedLock

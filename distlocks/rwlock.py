@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from distlocks.backends.base import BaseLockBackend, check_name_and_alias
+from distlocks.backends.arguments import check_name_and_alias
+from distlocks.backends.base import BaseLockBackend
 from distlocks.backends.sides import READ, WRITE
 from distlocks.handler import DEFAULT_ALIAS, locks
 from distlocks.holds import holds

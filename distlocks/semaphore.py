@@ -24,7 +24,8 @@ import time
 
 from django.utils.crypto import salted_hmac
 
-from distlocks.backends.base import check_name_and_alias, check_wait, deadline_after, time_left
+from distlocks.backends.arguments import check_name_and_alias, check_wait
+from distlocks.backends.base import deadline_after, time_left
 from distlocks.exceptions import LockError, LockNotAcquired, LockNotOwned
 from distlocks.handler import DEFAULT_ALIAS
 from distlocks.lock import DistributedLock

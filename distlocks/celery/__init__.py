@@ -19,7 +19,7 @@ from celery.exceptions import Retry
 from celery.result import AsyncResult
 from django.core.exceptions import ImproperlyConfigured
 
-from distlocks.backends.base import check_positive_number, check_wait
+from distlocks.backends.arguments import check_positive_number, check_wait
 from distlocks.exceptions import LockError, LockNotAcquired
 from distlocks.handler import DEFAULT_ALIAS
 from distlocks.lock import DistributedLock

@@ -82,12 +82,14 @@ def fence_records(schedule: str, entries: list[str], token: int) -> None:
     from distlocks.fencing import fenced_update
     from distlocks.models import BeatDispatch
 
-    records = BeatDispatch.objects.filter(schedule=schedule)
+    records = BeatDispatch._default_manager.filter(schedule=schedule)
     known = set(records.values_list("entry", flat=True))
     for name in entries:
         if name not in known:
             with contextlib.suppress(IntegrityError), transaction.atomic(using=router.db_for_write(BeatDispatch)):
-                BeatDispatch.objects.create(schedule=schedule, entry=name, fence_token=token)  # or made by another beat
+                BeatDispatch._default_manager.create(
+                    schedule=schedule, entry=name, fence_token=token
+                )  # or made by another beat
     fenced_update(records, token)
 
 
@@ -103,7 +105,7 @@ def claim(schedule: str, entry: str, due: datetime, ran_at: datetime, token: int
 
     from distlocks.models import BeatDispatch
 
-    record = BeatDispatch.objects.filter(schedule=schedule, entry=entry)
+    record = BeatDispatch._default_manager.filter(schedule=schedule, entry=entry)
     claimed = record.filter(Q(due_at__lt=_db_time(due)) | Q(due_at=None), fence_token__lte=token).update(
         due_at=_db_time(due), ran_at=_db_time(_aware(ran_at)), fence_token=token
     )
@@ -116,7 +118,7 @@ def last_runs(schedule: str) -> dict[str, datetime]:
     """When each entry of ``schedule`` was last sent, as its dispatch record says."""
     from distlocks.models import BeatDispatch
 
-    records = BeatDispatch.objects.filter(schedule=schedule).exclude(ran_at=None)
+    records = BeatDispatch._default_manager.filter(schedule=schedule).exclude(ran_at=None)
     return {name: _from_db(ran_at) for name, ran_at in records.values_list("entry", "ran_at")}
 
 

@@ -17,7 +17,7 @@ from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.utils.connection import ConnectionDoesNotExist
 
-from distlocks.backends.base import check_positive_number
+from distlocks.backends.arguments import check_positive_number
 from distlocks.exceptions import BackendUnavailable
 
 #: How long a lock statement may run by default (``OPTIONS['TIMEOUT']``), in seconds.

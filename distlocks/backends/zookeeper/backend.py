@@ -10,7 +10,8 @@ from typing import Any
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 
-from distlocks.backends.base import AsyncTurn, BaseLockBackend, LockInfo, check_positive_number
+from distlocks.backends.arguments import check_positive_number
+from distlocks.backends.base import AsyncTurn, BaseLockBackend, LockInfo
 from distlocks.backends.zookeeper.inspection import Inspection
 from distlocks.backends.zookeeper.nodes import escape, new_mark, node_data, queue, sequence
 from distlocks.backends.zookeeper.rw import ZooKeeperSide
