@@ -390,3 +390,50 @@ def test_check_warns_that_get_lock_is_local_to_a_galera_node(alias, settings, ga
         # W014 too: the node's "mysql" database has no distlocks tables.
         assert [message.id for message in on_galera.ping()] == ["distlocks.W013", "distlocks.W014"]
     assert [message.id for message in locks[alias].ping()] == []
+
+
+def lease_sessions(alias, name):
+    """The server sessions of the lease rows of the locks whose name contains ``name``, by lock name."""
+    with connections[DATABASE[alias]].cursor() as cursor:
+        cursor.execute("SELECT lock_name, session FROM distlocks_native_lease WHERE lock_name LIKE %s", [f"%{name}%"])
+        return dict(cursor.fetchall())
+
+
+def take_as_another(kind, alias, name, wait):
+    """Try to take what ``kind`` of ``tests.worker hold_kind_until_lost`` holds (the multi-lock: its member ``-a``)
+    as another owner within ``wait`` seconds; return the monotonic time it was taken, or None."""
+    if kind == "semaphore":
+        lk = distlocks.semaphore(name, 1, using=alias, renew=False)
+    else:
+        lk = distlocks.lock(f"{name}-a" if kind == "multi" else name, using=alias, renew=False)
+    if not lk.acquire(wait=wait):
+        return None
+    taken = time.monotonic()
+    lk.release()
+    return taken
+
+
+@native
+@pytest.mark.parametrize("kind", ["lock", "semaphore", "multi", "alock"])
+@pytest.mark.parametrize("ended", ["kill", "idle_timeout"])
+def test_a_hold_whose_session_the_server_ends_is_not_taken_before_its_holder_is_told(alias, name, workers, kind, ended):
+    # The server's lock goes with the session (a DBA's KILL / pg_terminate_backend, wait_timeout,
+    # idle_session_timeout, a proxy resetting an idle connection), but the lease row lives on: nobody
+    # else gets the lock before it ends, and the holder is told at its next renewal, before that.
+    holder = workers("hold_kind_until_lost", kind, alias, name, 3, *(["1"] if ended == "idle_timeout" else []))
+    assert holder.line() == ["acquired"]
+    member = f"{name}-a" if kind == "multi" else ""
+    sessions = lease_sessions(alias, member or name)
+    assert len(sessions) == 1, sessions
+    session = next(iter(sessions.values()))
+    if ended == "kill":
+        kill_session(DATABASE[alias], session)
+    else:
+        until(lambda: not session_alive(DATABASE[alias], session), seconds=10, what="the idle session's end")
+    assert take_as_another(kind, alias, name, wait=0) is None, "taken while the holder's lease lives"
+    taken = take_as_another(kind, alias, name, wait=20)
+    assert taken is not None
+    answer = holder.line()
+    assert answer[0] == "lost"
+    assert float(answer[1]) < taken, "the lock was taken before its holder was told it lost it"
+    assert holder.finish() == ["LockLost"]
