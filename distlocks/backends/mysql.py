@@ -26,7 +26,7 @@ from typing import Any
 from django.core import checks
 from django.db import DatabaseError, connections
 
-from distlocks.backends.db.native import HELD_COLUMNS, TABLE, NativeLockBackend
+from distlocks.backends.db.native import HELD_COLUMNS, TABLE, Lease, NativeLockBackend
 from distlocks.owner import Owner
 
 _PLAIN = re.compile(r"[a-z0-9_.:-]{1,64}")
@@ -35,18 +35,30 @@ _LATER = f"{_NOW} + INTERVAL %s MICROSECOND"
 _COLUMNS = "lock_name, lock_key, session, owner_host, owner_pid, owner_thread, owner_secret, hold_count, acquired_at, expires_at"
 _VALUES = f"%s, %s, CONNECTION_ID(), %s, %s, %s, %s, 1, {_NOW}, {_LATER}"
 _HOLDING = "IS_USED_LOCK(n.lock_key) <=> n.session"
-# The lock and its lease in one statement: the row is written only if GET_LOCK took the lock.
-_TRY = "REPLACE INTO {table} ({columns}) SELECT {values} FROM DUAL WHERE GET_LOCK(%s, 0) = 1"
-_WRITE = "REPLACE INTO {table} ({columns}) VALUES ({values})"
+_LIVE = f"n.expires_at > {_NOW}"
+# No live lease of the lock (the first parameter: its name), whatever its session: the lock is not free while it
+# lives. Read under the statement's lock of the table (MEMORY; InnoDB: see NativeLockBackend._write).
+_NO_LEASE = f"NOT EXISTS (SELECT 1 FROM {TABLE} n WHERE n.lock_name = %s AND {_LIVE})"
+# The lock and its lease in one statement: the row is written only if GET_LOCK took the lock, over no live lease.
+_TRY = f"REPLACE INTO {{table}} ({{columns}}) SELECT {{values}} FROM DUAL WHERE {_NO_LEASE} AND GET_LOCK(%s, 0) = 1"
+_WRITE = f"REPLACE INTO {{table}} ({{columns}}) SELECT {{values}} FROM DUAL WHERE {_NO_LEASE}"
 # MariaDB (migration 0004): the token from a sequence, returned as the statement's insert id.
 _SEQUENCED_COLUMNS = f"id, {_COLUMNS}"
 _SEQUENCED_VALUES = f"LAST_INSERT_ID(NEXTVAL(distlocks_native_token)), {_VALUES}"
 _TABLE_FULL = 1114  # the MEMORY table reached its size limit
-# Left to right: the lease is read before the lock is freed (and the next holder replaces the row).
-_UNLOCK = f"SELECT (SELECT COUNT(*) FROM {TABLE} WHERE id = %s AND expires_at > {_NOW}), RELEASE_LOCK(%s)"
-_HOLDER = (
-    f"SELECT TIMESTAMPDIFF(MICROSECOND, {_NOW}, n.expires_at), n.session FROM {TABLE} n"
-    f" WHERE n.lock_name = %s AND {_HOLDING}"
+# The live lease is ended, then the lock freed (assignments run left to right), in one statement: a waiter
+# that the server hands the lock reads the row after it (MEMORY: it waits for the table). Matched only if live.
+_UNLOCK = (
+    f"UPDATE {TABLE} n SET n.expires_at = n.acquired_at, n.hold_count = 0 * IFNULL(RELEASE_LOCK(%s), 0)"
+    f" WHERE n.id = %s AND {_LIVE}"
+)
+_END_LEASE = f"UPDATE {TABLE} n SET n.expires_at = n.acquired_at, n.hold_count = 0 WHERE n.lock_name = %s AND n.id = %s AND {_LIVE}"
+# The lease (if any) and whether its session holds the lock; this session's server lock freed (the second
+# parameter: its name), if it took it (left to right: after the lease is read).
+_LEASE = (
+    f"SELECT n.id, TIMESTAMPDIFF(MICROSECOND, {_NOW}, n.expires_at), n.session, {_HOLDING}, n.hold_count = 0,"
+    " IF(IS_USED_LOCK(%s) = CONNECTION_ID(), RELEASE_LOCK(%s), NULL)"
+    f" FROM (SELECT 1) one LEFT JOIN {TABLE} n ON n.lock_name = %s"
 )
 _RENEW = (
     f"UPDATE {TABLE} n SET {{expiry}}n.hold_count = n.hold_count + %s"
@@ -55,7 +67,7 @@ _RENEW = (
 # The session idle holding the lock (the first parameter: its server name) with no lease naming it.
 _UNLEASED = (
     "FROM information_schema.PROCESSLIST p WHERE p.ID = IS_USED_LOCK(%s) AND p.COMMAND = 'Sleep'"
-    f" AND NOT EXISTS (SELECT 1 FROM {TABLE} n WHERE n.lock_key = %s AND n.session = p.ID)"
+    f" AND NOT EXISTS (SELECT 1 FROM {TABLE} n WHERE n.lock_key = %s AND n.session = p.ID AND n.hold_count > 0)"
 )
 _UNKNOWN_THREAD = 1094  # KILL of a session that ended meanwhile
 
@@ -99,29 +111,37 @@ class MySQLLockBackend(NativeLockBackend):
                 raise
             if took_lock:  # the failed statement may have taken the server's lock: free it before trying again
                 cursor.execute("SELECT RELEASE_ALL_LOCKS()")
-            cursor.execute(f"DELETE FROM {TABLE} WHERE NOT (IS_USED_LOCK(lock_key) <=> session)")
+            cursor.execute(f"DELETE n FROM {TABLE} n WHERE NOT ({_LIVE}) AND NOT ({_HOLDING})")
             cursor.execute(self._lease(statement), params)
 
     def sql_try(self, cursor: Any, key: str, owner: Owner, ttl: float) -> int | None:
-        self._write_lease(cursor, _TRY, [*self._values(key, owner, ttl), self.server_key(key)], took_lock=True)
+        params = [*self._values(key, owner, ttl), key, self.server_key(key)]
+        self._write_lease(cursor, _TRY, params, took_lock=True)
         return int(cursor.lastrowid) if cursor.rowcount > 0 else None
 
     def sql_block(self, cursor: Any, key: str, seconds: float) -> bool:
         cursor.execute("SELECT GET_LOCK(%s, %s)", [self.server_key(key), round(seconds, 3)])
         return bool(cursor.fetchone()[0] == 1)
 
-    def sql_write(self, cursor: Any, key: str, owner: Owner, ttl: float) -> int:
-        self._write_lease(cursor, _WRITE, self._values(key, owner, ttl), took_lock=False)
-        return int(cursor.lastrowid)
+    def sql_write(self, cursor: Any, key: str, owner: Owner, ttl: float) -> int | None:
+        self._write_lease(cursor, _WRITE, [*self._values(key, owner, ttl), key], took_lock=False)
+        return int(cursor.lastrowid) if cursor.rowcount > 0 else None
 
     def sql_unlock(self, cursor: Any, key: str, token: int) -> bool:
-        cursor.execute(_UNLOCK, [token, self.server_key(key)])
-        return bool(cursor.fetchone()[0])
+        cursor.execute(_UNLOCK, [self.server_key(key), token])
+        if cursor.rowcount == 1:
+            return True
+        cursor.execute("SELECT RELEASE_LOCK(%s)", [self.server_key(key)])  # the lease had ended: free the lock alone
+        return False
 
-    def sql_holder(self, cursor: Any, key: str) -> tuple[float, int] | None:
-        cursor.execute(_HOLDER, [key])
+    def sql_lease(self, cursor: Any, key: str) -> Lease | None:
+        name = self.server_key(key)
+        cursor.execute(_LEASE, [name, name, key])
         row = cursor.fetchone()
-        return None if row is None else (row[0] / 1e6, int(row[1]))
+        return None if row[0] is None else Lease(row[1] / 1e6, int(row[2]), bool(row[3]), bool(row[4]))
+
+    def sql_end_lease(self, cursor: Any, key: str, token: int) -> None:
+        cursor.execute(_END_LEASE, [key, token])
 
     def _kill(self, cursor: Any, session: int) -> None:
         try:
@@ -133,7 +153,7 @@ class MySQLLockBackend(NativeLockBackend):
     def sql_end_session(self, cursor: Any, key: str, session: int) -> None:
         cursor.execute(
             f"SELECT n.session FROM {TABLE} n WHERE n.lock_name = %s AND n.session = %s"
-            f" AND n.expires_at <= {_NOW} AND {_HOLDING}",
+            f" AND n.expires_at <= {_NOW} AND n.hold_count > 0 AND {_HOLDING}",
             [key, session],
         )
         found = cursor.fetchone()
@@ -158,7 +178,9 @@ class MySQLLockBackend(NativeLockBackend):
 
     def sql_held(self, cursor: Any, key: str | None) -> list[Any]:
         where = " AND n.lock_name = %s" if key else ""
-        cursor.execute(f"SELECT {HELD_COLUMNS}, NULL FROM {TABLE} n WHERE {_HOLDING}{where}", [key] if key else [])
+        cursor.execute(
+            f"SELECT {HELD_COLUMNS}, NULL FROM {TABLE} n WHERE ({_HOLDING} OR {_LIVE}){where}", [key] if key else []
+        )
         return list(cursor.fetchall())
 
     def sql_force_release(self, cursor: Any, key: str, token: int | None) -> bool:
@@ -171,12 +193,14 @@ class MySQLLockBackend(NativeLockBackend):
             cursor.execute("START TRANSACTION")
         try:
             cursor.execute(
-                f"SELECT n.id, n.session FROM {TABLE} n WHERE n.lock_name = %s{mine} AND {_HOLDING} FOR UPDATE",
+                f"SELECT n.id, n.session, {_HOLDING} FROM {TABLE} n"
+                f" WHERE n.lock_name = %s{mine} AND ({_HOLDING} OR {_LIVE}) FOR UPDATE",
                 [key, *([] if token is None else [token])],
             )
             row = cursor.fetchone()
             if row is not None:
-                self._kill(cursor, row[1])
+                if row[2]:
+                    self._kill(cursor, row[1])
                 cursor.execute(f"DELETE FROM {TABLE} WHERE id = %s", [row[0]])
         finally:
             with contextlib.suppress(DatabaseError):
@@ -184,9 +208,7 @@ class MySQLLockBackend(NativeLockBackend):
         return row is not None
 
     def sql_clear_expired(self, cursor: Any, dry_run: bool) -> int:
-        cursor.execute(
-            f"SELECT n.id, n.session, {_HOLDING} FROM {TABLE} n WHERE n.expires_at <= {_NOW} OR NOT ({_HOLDING})"
-        )
+        cursor.execute(f"SELECT n.id, n.session, n.hold_count > 0 AND {_HOLDING} FROM {TABLE} n WHERE NOT ({_LIVE})")
         rows = cursor.fetchall()
         if dry_run or not rows:
             return len(rows)

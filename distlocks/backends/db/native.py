@@ -15,6 +15,20 @@ ends no other hold. A waiter that finds the lease run out while the recorded
 session still holds the server's lock ends that session (``KILL CONNECTION``,
 ``pg_terminate_backend``) and takes the lock: a hung holder loses it after
 ``ttl``, and its watchdog's next renewal (or its release) finds the lease gone.
+
+The lock is free only once both are: the server's lock and the lease (issue
+28). A session can end while its process goes on holding (``KILL`` or
+``pg_terminate_backend`` by an operator, ``wait_timeout``,
+``idle_session_timeout``, a proxy dropping an idle connection), and its
+holder learns of it at its next renewal at best; so an acquisition that gets
+the server's lock writes its lease only over one that has ended (released,
+or run out), in the same statement, and otherwise frees the server's lock
+again and waits for that lease to end. A release ends its lease in the
+statement that frees the server's lock, and a hold let go of without one (the
+holder found its session gone, or its thread ended) ends it as soon as it can.
+The cost: a holder that dies (SIGKILL) keeps its lock until its lease runs
+out, as on the table backend, since the server cannot tell its end from that
+of a session alone.
 """
 
 from __future__ import annotations
@@ -22,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -59,6 +74,20 @@ TAKEOVER_WAIT = 2.0
 HELD_COLUMNS = "n.lock_name, n.owner_host, n.owner_pid, n.owner_thread, n.hold_count, n.id, n.acquired_at, n.expires_at"
 
 
+# How long at most a waiter sleeps at once while the lease of a session that ended lives on (it may end sooner).
+ORPHAN_POLL = 0.5
+
+
+@dataclass
+class Lease:
+    """A lock's lease row as an attempt that did not get the lock found it."""
+
+    left: float  # seconds until it runs out (<= 0: ended)
+    session: int
+    holding: bool  # its session holds the server's lock
+    released: bool  # ended by a release: a session holding the lock on it is taking it anew, not hung
+
+
 class TimedOut(Exception):
     """A statement waited as long as it was allowed to for the server's lock."""
 
@@ -86,6 +115,9 @@ class _Hold:
 # by closing its connection.
 _holding: dict[tuple[str, str, str], _Hold] = {}
 _holding_lock = threading.Lock()
+# The tokens of holds whose session a re-entry found ended: their leases end when the hold is let go of
+# (``drop``), not at once, since the holding thread is told only once the re-entry has returned.
+_unended: dict[tuple[str, str, str], int] = {}
 
 
 def _cursor(connection: BaseDatabaseWrapper) -> Any:
@@ -106,6 +138,7 @@ def _cursor(connection: BaseDatabaseWrapper) -> Any:
 def _forget_after_fork() -> None:
     global _holding_lock
     _holding.clear()  # the parent's sessions: connections.py has cut the child off them
+    _unended.clear()
     _holding_lock = threading.Lock()
 
 
@@ -128,6 +161,7 @@ class NativeLockBackend(BaseLockBackend):
         self._idle: list[BaseDatabaseWrapper] = []
         self._won: dict[str, BaseDatabaseWrapper] = {}  # taken inside wait(), recorded by the next try_acquire
         self._lease_left: dict[str, float | None] = {}
+        self._orphaned: set[str] = set()  # keys whose last look found a live lease of a session that ended
 
     def make_key(self, name: str) -> str:
         if "\x00" in name:
@@ -148,25 +182,32 @@ class NativeLockBackend(BaseLockBackend):
         """Wait inside the server at most ``seconds`` for its lock; True if taken (no lease written)."""
         raise NotImplementedError
 
-    def sql_write(self, cursor: Any, key: str, owner: Owner, ttl: float) -> int:
-        """Write the lease of a server lock this session holds; the token."""
+    def sql_write(self, cursor: Any, key: str, owner: Owner, ttl: float) -> int | None:
+        """Write the lease of a server lock this session holds, unless a live lease is there; the token, or None."""
         raise NotImplementedError
 
     def sql_unlock(self, cursor: Any, key: str, token: int) -> bool:
-        """Free the server's lock; True if the lease ``token`` was still live."""
+        """End the lease ``token`` and then free the server's lock; True if that lease was still live."""
         raise NotImplementedError
 
-    def sql_holder(self, cursor: Any, key: str) -> tuple[float, int] | None:
-        """Seconds left on the lease of the session holding ``key``'s server lock, and that session (None: unknown)."""
+    def sql_lease(self, cursor: Any, key: str) -> Lease | None:
+        """``key``'s lease (None: none), after freeing the server's lock if this session holds it (an attempt that
+        took it found a live lease there)."""
+        raise NotImplementedError
+
+    def sql_end_lease(self, cursor: Any, key: str, token: int) -> None:
+        """End the lease ``token`` (its session has ended, or is about to): the lock is free once the server's is."""
         raise NotImplementedError
 
     def sql_end_session(self, cursor: Any, key: str, session: int) -> None:
-        """End ``session`` if it holds ``key``'s server lock on an expired lease, or idle on none (its locks are freed)."""
+        """End ``session`` if it holds ``key``'s server lock on an expired lease (not a released one), or idle on none
+        (its locks are freed)."""
         raise NotImplementedError
 
     def sql_unleased(self, cursor: Any, key: str) -> tuple[float, int] | None:
-        """The session idle holding ``key``'s server lock with no lease naming it (a waiter the server handed the
-        lock to, which has yet to write its lease), and the seconds left of its ``TIMEOUT`` to write it; else None."""
+        """The session idle holding ``key``'s server lock with no lease naming it but a released one (a waiter the
+        server handed the lock to, which has yet to write its lease), and the seconds left of its ``TIMEOUT`` to
+        write it; else None."""
         raise NotImplementedError
 
     def sql_renew(self, cursor: Any, key: str, secret: str, ttl: float | None, more: int) -> bool:
@@ -257,7 +298,7 @@ class NativeLockBackend(BaseLockBackend):
         connection = won or self._connection()
         try:
             if won is not None:
-                token: int | None = self._run(won, lambda c: self.sql_write(c, key, owner, ttl))
+                token: int | None = self._write(won, key, owner, ttl)
             else:
                 token = self._attempt(connection, key, owner, ttl)
         except BackendUnavailable as exc:
@@ -279,8 +320,12 @@ class NativeLockBackend(BaseLockBackend):
         token = self._run(connection, lambda c: self.sql_try(c, key, owner, ttl))
         if token is not None:
             return token
-        holder = self._run(connection, lambda c: self.sql_holder(c, key))
-        if holder is None:  # no lease names the holding session (a waiter handed the lock): see sql_unleased
+        lease = self._look(connection, key)
+        if lease is not None and not lease.holding and lease.left > 0:
+            return None  # the lease of a session that ended lives on: the lock is not free yet
+        if lease is not None and lease.holding and not lease.released:
+            holder: tuple[float, int] | None = (lease.left, lease.session)
+        else:  # no lease names the holding session (a waiter handed the lock): see sql_unleased
             holder = self._run(connection, lambda c: self.sql_unleased(c, key))
         self._lease_left[key] = None if holder is None else holder[0]
         if holder is None or holder[0] > 0:
@@ -290,7 +335,30 @@ class NativeLockBackend(BaseLockBackend):
         self._run(connection, lambda c: self.sql_end_session(c, key, holder[1]))
         if not self._block(connection, key, min(TAKEOVER_WAIT, self.timeout)):
             return None
-        return self._run(connection, lambda c: self.sql_write(c, key, owner, ttl))
+        return self._write(connection, key, owner, ttl)
+
+    def _write(self, connection: BaseDatabaseWrapper, key: str, owner: Owner, ttl: float) -> int | None:
+        """Write the lease of the server lock this session took; None (the server's lock freed again) if a live
+        lease is there: the server ended its holder's session, which may not know yet."""
+        token = self._run(connection, lambda c: self.sql_write(c, key, owner, ttl))
+        if token is None:
+            self._look(connection, key)
+        return token
+
+    def _look(self, connection: BaseDatabaseWrapper, key: str) -> Lease | None:
+        """``key``'s lease, after an attempt that did not get the lock; note a live one whose session ended."""
+        lease = self._run(connection, lambda c: self.sql_lease(c, key))
+        if lease is not None and not lease.holding and lease.left > 0:
+            self._orphaned.add(key)
+            self._lease_left[key] = lease.left
+        else:
+            self._orphaned.discard(key)
+        return lease
+
+    def _end_lease(self, key: str, token: int) -> None:
+        """End the lease ``token`` of a hold let go of without a release, if the server answers (else it runs out)."""
+        with contextlib.suppress(BackendUnavailable):
+            self._on_any(lambda c: self.sql_end_lease(c, key, token))
 
     def _block(self, connection: BaseDatabaseWrapper, key: str, seconds: float) -> bool:
         try:
@@ -309,6 +377,10 @@ class NativeLockBackend(BaseLockBackend):
         left = self._lease_left.get(key)
         if left is not None and left > 0:
             seconds = min(seconds, left + 0.01)
+        if key in self._orphaned:
+            # The server's lock is free, but not the lock: sleep until that lease ends (or look again sooner).
+            time.sleep(min(seconds, ORPHAN_POLL))
+            return
         connection = self._connection()
         try:
             won = self._block(connection, key, max(seconds, 0.001))
@@ -322,21 +394,35 @@ class NativeLockBackend(BaseLockBackend):
 
     def end_wait(self, key: str, acquired: bool) -> None:
         self._lease_left.pop(key, None)
+        self._orphaned.discard(key)
         won = self._won.pop(key, None)
         if won is not None:  # taken by wait() but never recorded (the caller gave up): free it
             with contextlib.suppress(Exception):
                 won.close()
 
-    def _mine(self, key: str, owner: Owner) -> _Hold | None:
+    def _mine(self, key: str, owner: Owner, releasing: bool = False) -> _Hold | None:
+        """``owner``'s hold of ``key`` in this process, if its session lasts (else it is let go of)."""
         hold = _holding.get((self.alias, key, owner.secret))
         if hold is None or not tracked(hold.connection):  # not held, or held by the parent of this fork
             return None
         close_if_dropped(hold.connection)
         if hold.connection.connection is None:  # the session ended: so did the server's lock
-            self._forget(key, owner)
-            hold.home._put(hold.connection)
+            self._let_go(key, owner, hold, last=releasing and hold.count <= 1)
             return None
         return hold
+
+    def _let_go(self, key: str, owner: Owner, hold: _Hold, last: bool) -> None:
+        """Forget ``hold``, whose session ended; end its lease at its ``last`` release, else when it is dropped.
+
+        Not sooner: the holding thread is in its critical section until then, and is told it lost the lock
+        only once this call returns.
+        """
+        self._forget(key, owner)
+        hold.home._put(hold.connection)
+        if last:
+            self._end_lease(key, hold.token)
+        else:
+            _unended[(self.alias, key, owner.secret)] = hold.token
 
     def _forget(self, key: str, owner: Owner) -> None:
         with _holding_lock:
@@ -349,25 +435,24 @@ class NativeLockBackend(BaseLockBackend):
         try:
             renewed = self._run(hold.connection, lambda c: self.sql_renew(c, key, owner.secret, ttl, 1))
         except BackendUnavailable:
-            self._forget(key, owner)  # its session is gone, and the server's lock with it
-            hold.home._put(hold.connection)
+            self._let_go(key, owner, hold, last=False)  # its session is gone, and the server's lock with it
             return False
         if renewed:
             hold.count += 1
         return renewed
 
     def release(self, key: str, owner: Owner) -> bool:
-        hold = self._mine(key, owner)
+        hold = self._mine(key, owner, releasing=True)
         if hold is None:
             return False
+        last = hold.count <= 1
         try:
-            if hold.count > 1:
+            if not last:
                 hold.count -= 1
                 return self._run(hold.connection, lambda c: self.sql_renew(c, key, owner.secret, None, -1))
             live = self._run(hold.connection, lambda c: self.sql_unlock(c, key, hold.token))
         except BackendUnavailable:
-            self._forget(key, owner)
-            hold.home._put(hold.connection)
+            self._let_go(key, owner, hold, last)  # its session is closed (by _run), and the server's lock with it
             return False
         self._forget(key, owner)
         hold.home._put(hold.connection)
@@ -384,10 +469,14 @@ class NativeLockBackend(BaseLockBackend):
         """Free ``owner``'s hold of ``key`` by closing its session (from any thread of the process)."""
         with _holding_lock:
             hold = _holding.pop((self.alias, key, owner.secret), None)
+            unended = _unended.pop((self.alias, key, owner.secret), None)
         if hold is None:
+            if unended is not None:
+                self._end_lease(key, unended)
             return False
         with contextlib.suppress(Exception):
             hold.connection.close()
+        self._end_lease(key, hold.token)
         return True
 
     # -- inspection and maintenance ----------------------------------------------
