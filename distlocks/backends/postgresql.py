@@ -69,6 +69,7 @@ does not reach the 1.5x target, and it would break the contract:
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 from typing import Any
 
@@ -110,16 +111,20 @@ _WRITE = f"INSERT INTO {TABLE} AS n ({_COLUMNS}) VALUES ({_VALUES}){_UPSERT}"
 _END = (
     f"UPDATE {TABLE} n SET expires_at = n.acquired_at, hold_count = 0 WHERE n.lock_name = %s AND n.id = %s AND {_LIVE}"
 )
-# Left to right: the live lease is ended before the lock is freed. The row stays, for the next holder to overwrite.
-_UNLOCK = f"WITH ended AS ({_END} RETURNING 1) SELECT EXISTS (SELECT 1 FROM ended), pg_advisory_unlock(%s)"
-# The lease (if any) and whether its session holds the lock; this session's advisory lock freed (the first
-# parameter: its key), if it took it (left to right: after the lease is read).
-_LEASE = (
-    f"SELECT n.id, EXTRACT(EPOCH FROM n.expires_at - {_NOW}), n.session, {_HELD_BY_SESSION}, n.hold_count = 0,"
-    " CASE WHEN EXISTS (SELECT 1 FROM pg_locks m WHERE m.locktype = 'advisory' AND m.objsubid = 1 AND m.granted"
+# The live lease is ended (its row locked until the statement commits), then the lock freed: a waiter that the
+# server hands the lock to writes its lease after that commit (ON CONFLICT waits for the row). Matched only if
+# live; else the lock is freed alone. The row stays, for the next holder to overwrite.
+_UNLOCK = f"{_END} RETURNING pg_advisory_unlock(%s)"
+_MINE = (
+    "EXISTS (SELECT 1 FROM pg_locks m WHERE m.locktype = 'advisory' AND m.objsubid = 1 AND m.granted"
     " AND m.pid = pg_backend_pid() AND m.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
     " AND m.classid::bigint = ((%s::bigint >> 32) & 4294967295) AND m.objid::bigint = (%s::bigint & 4294967295))"
-    " THEN pg_advisory_unlock(%s) END"
+)
+# The lease (if any); whether its session holds the lock; whether this session does (the first parameters: its
+# key), and if so with a live lease there, the lock freed (left to right: after the lease is read).
+_LEASE = (
+    f"SELECT n.id, EXTRACT(EPOCH FROM n.expires_at - {_NOW}), n.session, {_HELD_BY_SESSION}, n.hold_count = 0,"
+    f" {_MINE}, CASE WHEN {_MINE} AND {_LIVE} THEN pg_advisory_unlock(%s) END"
     f" FROM (SELECT 1) one LEFT JOIN {TABLE} n ON n.lock_name = %s"
 )
 _END_EXPIRED = (
@@ -178,8 +183,12 @@ def _execute(cursor: Any, sql: str, params: list[Any]) -> Any:
 _ONLY_WHEN_ASKED = 2**62
 
 
+@functools.lru_cache(maxsize=4096)
 def advisory_key(key: str) -> int:
-    """The signed 64-bit advisory lock key of ``key``: the same in every process and Python version."""
+    """The signed 64-bit advisory lock key of ``key``: the same in every process and Python version.
+
+    Cached: an acquisition and its release need it three times (1.8 µs each uncached, 0.2 cached).
+    """
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big", signed=True)
 
 
@@ -224,13 +233,17 @@ class AdvisoryLockBackend(NativeLockBackend):
         return None if row is None else int(row[0])
 
     def sql_unlock(self, cursor: Any, key: str, token: int) -> bool:
-        return bool(_execute(cursor, _UNLOCK, [key, token, advisory_key(key)])[0])
+        if _execute(cursor, _UNLOCK, [key, token, advisory_key(key)]) is not None:
+            return True
+        cursor.execute("SELECT pg_advisory_unlock(%s)", [advisory_key(key)])  # the lease had ended: free the lock alone
+        return False
 
-    def sql_lease(self, cursor: Any, key: str) -> Lease | None:
+    def sql_lease(self, cursor: Any, key: str) -> tuple[Lease | None, bool]:
         number = advisory_key(key)
-        cursor.execute(_LEASE, [number, number, number, key])
+        cursor.execute(_LEASE, [number, number, number, number, number, key])
         row = cursor.fetchone()
-        return None if row[0] is None else Lease(float(row[1]), int(row[2]), bool(row[3]), bool(row[4]))
+        lease = None if row[0] is None else Lease(float(row[1]), int(row[2]), bool(row[3]), bool(row[4]))
+        return lease, bool(row[5]) and (lease is None or lease.left <= 0)
 
     def sql_end_lease(self, cursor: Any, key: str, token: int) -> None:
         cursor.execute(_END, [key, token])

@@ -6,6 +6,7 @@ import contextlib
 import gc
 import os
 import signal
+import threading
 import time
 import weakref
 from io import StringIO
@@ -452,3 +453,50 @@ def test_a_hold_whose_session_the_server_ends_is_not_taken_before_its_holder_is_
     assert answer[0] == "lost"
     assert float(answer[1]) < taken, "the lock was taken before its holder was told it lost it"
     assert holder.finish() == ["LockLost"]
+
+
+@pytest.mark.parametrize("alias", ["mariadb_native"], indirect=True)
+def test_a_hung_holder_that_moves_on_while_a_waiter_ends_its_session_keeps_its_next_hold(alias, name, monkeypatch):
+    # MariaDB reads who to end (an expired lease whose session holds the lock) and ends it (KILL) in two
+    # statements. A holder that releases and takes the lock again on the same session in between must not
+    # lose its new hold for its old lease: its statements wait until the waiter is done.
+    go, moved_on, outcome = threading.Event(), threading.Event(), {}
+
+    def holder():
+        lk = distlocks.lock(name, using=alias, ttl=0.3, renew=False)
+        assert lk.acquire(wait=0)
+        go.wait(30)  # until the waiter is about to end its session
+        try:
+            lk.release()
+        except distlocks.LockLost:
+            outcome["released"] = "LockLost"
+        outcome["again"] = lk.acquire(wait=0)
+        moved_on.set()
+        if outcome["again"]:
+            try:
+                lk.release()
+                outcome["second release"] = "ok"
+            except distlocks.LockLost:
+                outcome["second release"] = "LockLost"
+
+    backend = locks[alias]
+    kill = backend._kill
+
+    def kill_once_the_holder_moved_on(cursor, session):
+        go.set()
+        moved_on.wait(2)  # it cannot, if its statements wait for this one
+        kill(cursor, session)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    until(lambda: lease_sessions(alias, name) and lease_left(alias, name) < 0, what="the holder's lease running out")
+    monkeypatch.setattr(backend, "_kill", kill_once_the_holder_moved_on)
+    other = distlocks.lock(name, using=alias, renew=False)
+    taken = other.acquire(wait=5)
+    thread.join(30)
+    assert outcome["released"] == "LockLost"  # its lease had run out
+    if outcome["again"]:
+        assert outcome["second release"] == "ok", "a hold taken after its lease ran out was ended for that lease"
+    else:
+        assert taken
+        other.release()

@@ -190,9 +190,9 @@ class NativeLockBackend(BaseLockBackend):
         """End the lease ``token`` and then free the server's lock; True if that lease was still live."""
         raise NotImplementedError
 
-    def sql_lease(self, cursor: Any, key: str) -> Lease | None:
-        """``key``'s lease (None: none), after freeing the server's lock if this session holds it (an attempt that
-        took it found a live lease there)."""
+    def sql_lease(self, cursor: Any, key: str) -> tuple[Lease | None, bool]:
+        """``key``'s lease (None: none), and whether this session holds the server's lock with none live there
+        (an attempt that took it found a lease that had ended); if it holds it with a live one, it frees it."""
         raise NotImplementedError
 
     def sql_end_lease(self, cursor: Any, key: str, token: int) -> None:
@@ -320,7 +320,9 @@ class NativeLockBackend(BaseLockBackend):
         token = self._run(connection, lambda c: self.sql_try(c, key, owner, ttl))
         if token is not None:
             return token
-        lease = self._look(connection, key)
+        lease, mine = self._look(connection, key)
+        if mine:  # the server's lock was free, and the lease there had ended (its holder died)
+            return self._write(connection, key, owner, ttl)
         if lease is not None and not lease.holding and lease.left > 0:
             return None  # the lease of a session that ended lives on: the lock is not free yet
         if lease is not None and lease.holding and not lease.released:
@@ -340,20 +342,22 @@ class NativeLockBackend(BaseLockBackend):
     def _write(self, connection: BaseDatabaseWrapper, key: str, owner: Owner, ttl: float) -> int | None:
         """Write the lease of the server lock this session took; None (the server's lock freed again) if a live
         lease is there: the server ended its holder's session, which may not know yet."""
-        token = self._run(connection, lambda c: self.sql_write(c, key, owner, ttl))
-        if token is None:
-            self._look(connection, key)
-        return token
+        for _ in range(2):
+            token = self._run(connection, lambda c: self.sql_write(c, key, owner, ttl))
+            if token is not None or not self._look(connection, key)[1]:
+                return token
+        connection.close()  # a lease there that keeps coming back: free the server's lock with the session
+        return None
 
-    def _look(self, connection: BaseDatabaseWrapper, key: str) -> Lease | None:
-        """``key``'s lease, after an attempt that did not get the lock; note a live one whose session ended."""
-        lease = self._run(connection, lambda c: self.sql_lease(c, key))
+    def _look(self, connection: BaseDatabaseWrapper, key: str) -> tuple[Lease | None, bool]:
+        """``sql_lease``, after an attempt that did not get the lock; note a live lease whose session ended."""
+        lease, mine = self._run(connection, lambda c: self.sql_lease(c, key))
         if lease is not None and not lease.holding and lease.left > 0:
             self._orphaned.add(key)
             self._lease_left[key] = lease.left
         else:
             self._orphaned.discard(key)
-        return lease
+        return lease, mine
 
     def _end_lease(self, key: str, token: int) -> None:
         """End the lease ``token`` of a hold let go of without a release, if the server answers (else it runs out)."""
