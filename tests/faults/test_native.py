@@ -460,7 +460,7 @@ def test_a_hung_holder_that_moves_on_while_a_waiter_ends_its_session_keeps_its_n
     # MariaDB reads who to end (an expired lease whose session holds the lock) and ends it (KILL) in two
     # statements. A holder that releases and takes the lock again on the same session in between must not
     # lose its new hold for its old lease: its statements wait until the waiter is done.
-    go, moved_on, outcome = threading.Event(), threading.Event(), {}
+    go, moved_on, waited, outcome = threading.Event(), threading.Event(), threading.Event(), {}
 
     def holder():
         lk = distlocks.lock(name, using=alias, ttl=0.3, renew=False)
@@ -473,6 +473,7 @@ def test_a_hung_holder_that_moves_on_while_a_waiter_ends_its_session_keeps_its_n
         outcome["again"] = lk.acquire(wait=0)
         moved_on.set()
         if outcome["again"]:
+            waited.wait(30)  # held until the waiter is done
             try:
                 lk.release()
                 outcome["second release"] = "ok"
@@ -493,6 +494,7 @@ def test_a_hung_holder_that_moves_on_while_a_waiter_ends_its_session_keeps_its_n
     monkeypatch.setattr(backend, "_kill", kill_once_the_holder_moved_on)
     other = distlocks.lock(name, using=alias, renew=False)
     taken = other.acquire(wait=5)
+    waited.set()
     thread.join(30)
     assert outcome["released"] == "LockLost"  # its lease had run out
     if outcome["again"]:
