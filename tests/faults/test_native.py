@@ -502,3 +502,24 @@ def test_a_hung_holder_that_moves_on_while_a_waiter_ends_its_session_keeps_its_n
     else:
         assert taken
         other.release()
+
+
+@native
+def test_a_lease_whose_session_ended_is_listed_and_force_released_by_its_token(alias, name):
+    # It holds the lock until it ends: the admin and distlocks_list show it, and force-release frees it.
+    holder = Holder(name, alias, ttl=30)
+    key = locks[alias].make_key(name)
+    try:
+        kill_session(DATABASE[alias], holding_session(alias, name))
+        listed = locks[alias].holder(key)
+        assert listed is not None
+        assert listed.token == holder.token
+        assert [info.token for info in locks[alias].held() if info.key == key] == [holder.token]
+        assert not locks[alias].force_release(key, holder.token - 1)  # not that acquisition
+        assert not free_elsewhere(name, alias)
+        assert locks[alias].force_release(key, holder.token)
+        assert locks[alias].holder(key) is None
+        assert free_elsewhere(name, alias)
+    finally:
+        released = holder.release()
+    assert isinstance(released, distlocks.LockLost)
