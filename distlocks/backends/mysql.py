@@ -27,7 +27,8 @@ from typing import Any
 from django.core import checks
 from django.db import DatabaseError, connections
 
-from distlocks.backends.db.native import HELD_COLUMNS, TABLE, Lease, NativeLockBackend
+from distlocks.backends.db.native import NativeLockBackend
+from distlocks.backends.db.native_sql import HELD_COLUMNS, TABLE, Lease
 from distlocks.owner import Owner
 
 _PLAIN = re.compile(r"[a-z0-9_.:-]{1,64}")

@@ -78,7 +78,8 @@ from django.core import checks
 from django.db import DatabaseError, connections
 from psycopg.types.numeric import Int8
 
-from distlocks.backends.db.native import HELD_COLUMNS, TABLE, Lease, NativeLockBackend
+from distlocks.backends.db.native import NativeLockBackend
+from distlocks.backends.db.native_sql import HELD_COLUMNS, TABLE, Lease
 from distlocks.owner import Owner
 
 _TIMED_OUT = {"55P03", "57014"}  # lock_timeout, statement_timeout

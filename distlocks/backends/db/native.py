@@ -16,19 +16,13 @@ session still holds the server's lock ends that session (``KILL CONNECTION``,
 ``pg_terminate_backend``) and takes the lock: a hung holder loses it after
 ``ttl``, and its watchdog's next renewal (or its release) finds the lease gone.
 
-The lock is free only once both are: the server's lock and the lease (issue
-28). A session can end while its process goes on holding (``KILL`` or
-``pg_terminate_backend`` by an operator, ``wait_timeout``,
-``idle_session_timeout``, a proxy dropping an idle connection), and its
-holder learns of it at its next renewal at best; so an acquisition that gets
-the server's lock writes its lease only over one that has ended (released,
-or run out), in the same statement, and otherwise frees the server's lock
-again and waits for that lease to end. A release ends its lease in the
-statement that frees the server's lock, and a hold let go of without one (the
-holder found its session gone, or its thread ended) ends it as soon as it can.
-The cost: a holder that dies (SIGKILL) keeps its lock until its lease runs
-out, as on the table backend, since the server cannot tell its end from that
-of a session alone.
+The lock is free only once its lease is too: a session can end under a holder
+that learns of it at its next renewal (``KILL``, ``wait_timeout``,
+``idle_session_timeout``, a proxy). An acquisition writes its lease only over
+one that has ended, in the statement that takes the server's lock, else frees
+that again and waits; a release ends its lease as it frees the server's lock,
+and a hold let go of otherwise ends it at once. So a holder that dies
+(SIGKILL) keeps the lock until its lease runs out: the server cannot tell.
 """
 
 from __future__ import annotations
@@ -37,9 +31,8 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from typing import Any, TypeVar
 
 from django.core import checks
@@ -62,30 +55,18 @@ from distlocks.backends.db.config import (
     wrong_database,
 )
 from distlocks.backends.db.connections import close_if_dropped, is_busy, open_like, track, tracked
+from distlocks.backends.db.native_sql import TABLE, Lease, NativeStatements, utc
 from distlocks.exceptions import BackendUnavailable
 from distlocks.owner import Owner
 
 T = TypeVar("T")
 
-TABLE = "distlocks_native_lease"
 # How long a waiter that ended an expired holder's session waits for the server to free its lock.
 TAKEOVER_WAIT = 2.0
-# The columns ``held()`` reads, in this order.
-HELD_COLUMNS = "n.lock_name, n.owner_host, n.owner_pid, n.owner_thread, n.hold_count, n.id, n.acquired_at, n.expires_at"
 
 
 # How long at most a waiter sleeps at once while the lease of a session that ended lives on (it may end sooner).
 ORPHAN_POLL = 0.5
-
-
-@dataclass
-class Lease:
-    """A lock's lease row as an attempt that did not get the lock found it."""
-
-    left: float  # seconds until it runs out (<= 0: ended)
-    session: int
-    holding: bool  # its session holds the server's lock
-    released: bool  # ended by a release: a session holding the lock on it is taking it anew, not hung
 
 
 class TimedOut(Exception):
@@ -145,7 +126,7 @@ def _forget_after_fork() -> None:
 os.register_at_fork(after_in_child=_forget_after_fork)
 
 
-class NativeLockBackend(BaseLockBackend):
+class NativeLockBackend(NativeStatements, BaseLockBackend):
     """A lock backend on a database server's own named locks; subclasses give the SQL."""
 
     max_key_length = 255
@@ -167,70 +148,6 @@ class NativeLockBackend(BaseLockBackend):
         if "\x00" in name:
             raise ValueError("name must not contain a NUL character ('\\x00'): the lease table cannot store it")
         return super().make_key(name)
-
-    # -- the SQL, per server -----------------------------------------------------
-
-    def server_key(self, key: str) -> str:
-        """What the server locks for ``key``, as stored in the ``lock_key`` column."""
-        raise NotImplementedError
-
-    def sql_try(self, cursor: Any, key: str, owner: Owner, ttl: float) -> int | None:
-        """Take the server's lock if free and write the lease, in one statement; the token or None."""
-        raise NotImplementedError
-
-    def sql_block(self, cursor: Any, key: str, seconds: float) -> bool:
-        """Wait inside the server at most ``seconds`` for its lock; True if taken (no lease written)."""
-        raise NotImplementedError
-
-    def sql_write(self, cursor: Any, key: str, owner: Owner, ttl: float) -> int | None:
-        """Write the lease of a server lock this session holds, unless a live lease is there; the token, or None."""
-        raise NotImplementedError
-
-    def sql_unlock(self, cursor: Any, key: str, token: int) -> bool:
-        """End the lease ``token`` and then free the server's lock; True if that lease was still live."""
-        raise NotImplementedError
-
-    def sql_lease(self, cursor: Any, key: str) -> tuple[Lease | None, bool]:
-        """``key``'s lease (None: none), and whether this session holds the server's lock with none live there
-        (an attempt that took it found a lease that had ended); if it holds it with a live one, it frees it."""
-        raise NotImplementedError
-
-    def sql_end_lease(self, cursor: Any, key: str, token: int) -> None:
-        """End the lease ``token`` (its session has ended, or is about to): the lock is free once the server's is."""
-        raise NotImplementedError
-
-    def sql_end_session(self, cursor: Any, key: str, session: int) -> None:
-        """End ``session`` if it holds ``key``'s server lock on an expired lease (not a released one), or idle on none
-        (its locks are freed)."""
-        raise NotImplementedError
-
-    def sql_unleased(self, cursor: Any, key: str) -> tuple[float, int] | None:
-        """The session idle holding ``key``'s server lock with no lease naming it but a released one (a waiter the
-        server handed the lock to, which has yet to write its lease), and the seconds left of its ``TIMEOUT`` to
-        write it; else None."""
-        raise NotImplementedError
-
-    def sql_renew(self, cursor: Any, key: str, secret: str, ttl: float | None, more: int) -> bool:
-        """Renew (``ttl``; None: leave it) the live lease of ``secret`` whose session holds the lock, counting ``more`` holds."""
-        raise NotImplementedError
-
-    def sql_held(self, cursor: Any, key: str | None) -> list[Sequence[Any]]:
-        """Rows of ``HELD_COLUMNS`` plus waiters, of the leases whose session holds the server lock."""
-        raise NotImplementedError
-
-    def sql_force_release(self, cursor: Any, key: str, token: int | None) -> bool:
-        raise NotImplementedError
-
-    def sql_clear_expired(self, cursor: Any, dry_run: bool) -> int:
-        raise NotImplementedError
-
-    def sql_warnings(self, cursor: Any) -> list[checks.CheckMessage]:
-        """What the server says that breaks these locks (a pooler, a cluster), for ``manage.py check``."""
-        return []
-
-    def timed_out(self, exc: Exception) -> bool:
-        """Whether ``exc`` means a wait for the server's lock ran out of its time."""
-        return False
 
     # -- connections -------------------------------------------------------------
 
@@ -494,8 +411,8 @@ class NativeLockBackend(BaseLockBackend):
                 owner=f"{row[1]}:{row[2]}:{row[3]}",
                 hold_count=int(row[4]),
                 token=int(row[5]),
-                acquired_at=_utc(row[6]),
-                expires_at=_utc(row[7]),
+                acquired_at=utc(row[6]),
+                expires_at=utc(row[7]),
                 waiters=None if row[8] is None else int(row[8]),
             )
             for row in rows
@@ -530,8 +447,3 @@ class NativeLockBackend(BaseLockBackend):
         wrong = wrong_database(self, connections[self.database].vendor)
         hint = "Use the backend for that database, or distlocks.backends.db.DatabaseBackend (any database)."
         return [] if wrong is None else [checks.Error(f"{wrong}.", hint=hint, id="distlocks.E007")]
-
-
-def _utc(value: datetime) -> datetime:
-    """A DATETIME read back naive (MySQL) is UTC: the leases are written in UTC."""
-    return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
