@@ -274,7 +274,7 @@ class DistributedLock(LockAPI):
         backend = hold.backend_here()
         try:
             still_held = yield backend, "reenter_token", (self.key, hold.owner, ttl, hold.token)
-        except Exception:
+        except BaseException:  # a KeyboardInterrupt too: it ends the session of a session-bound backend's call
             hold.uncounted += 1  # the server may have counted it
             self._lost_with_session(hold, backend)
             raise
@@ -353,7 +353,7 @@ class DistributedLock(LockAPI):
             raise self._error(LockLost, "was lost while held")
         try:
             still_held = yield backend, "release_token", (self.key, hold.owner, hold.token)
-        except Exception:
+        except BaseException:  # as in _reenter
             hold.uncounted += 1  # the server may still count it: the last release makes sure
             self._lost_with_session(hold, backend)
             raise

@@ -360,6 +360,65 @@ def until_lost(lock: distlocks.DistributedLock) -> None:
         say("LockLost")
 
 
+def hold_kind_until_lost(kind: str, alias: str, name: str, ttl: str, idle_timeout: str = "") -> None:
+    """Take ``kind`` ("lock", "semaphore" of 1 permit, "multi" of ``name``-a and -b, "alock") renewed; say "acquired",
+    then "lost" with the monotonic time the holder was told, then what releasing raised.
+
+    With ``idle_timeout``, the server ends each hold's session once it has been idle that many seconds
+    (MariaDB ``wait_timeout``, PostgreSQL ``idle_session_timeout``), set on the native backend's hold connections.
+    """
+    import asyncio
+
+    def end_idle_sessions() -> None:
+        from distlocks.backends.db.native import _holding
+
+        for hold in list(_holding.values()):
+            with hold.connection.cursor() as cursor:
+                if hold.connection.vendor == "mysql":
+                    cursor.execute("SET SESSION wait_timeout = %s", [int(idle_timeout)])
+                else:
+                    cursor.execute("SELECT set_config('idle_session_timeout', %s, false)", [f"{idle_timeout}s"])
+
+    if kind == "alock":
+
+        async def main() -> None:
+            lock = distlocks.alock(name, using=alias, ttl=float(ttl))
+            await lock.acquire()
+            if idle_timeout:
+                await asyncio.to_thread(end_idle_sessions)
+            say("acquired")
+            while not lock.lost:
+                await asyncio.sleep(0.01)
+            say("lost", f"{time.monotonic():.6f}")
+            try:
+                await lock.release()
+                say("released")
+            except distlocks.LockLost:
+                say("LockLost")
+
+        asyncio.run(main())
+        return
+    lock: LockAPI
+    if kind == "semaphore":
+        lock = distlocks.semaphore(name, 1, using=alias, ttl=float(ttl))
+    elif kind == "multi":
+        lock = distlocks.multi_lock([f"{name}-a", f"{name}-b"], using=alias, ttl=float(ttl))
+    else:
+        lock = distlocks.lock(name, using=alias, ttl=float(ttl))
+    lock.acquire()
+    if idle_timeout:
+        end_idle_sessions()
+    say("acquired")
+    while not lock.lost:
+        time.sleep(0.01)
+    say("lost", f"{time.monotonic():.6f}")
+    try:
+        lock.release()
+        say("released")
+    except distlocks.LockLost:
+        say("LockLost")
+
+
 def take_when(alias: str, name: str, wait: str, go: str) -> None:
     """Say "ready", then once the file ``go`` exists, ``take`` the lock."""
     say("ready")
@@ -666,6 +725,7 @@ def main(argv: list[str]) -> None:
         "permits": permits,
         "hold": hold,
         "hold_until_lost": hold_until_lost,
+        "hold_kind_until_lost": hold_kind_until_lost,
         "lead": lead,
         "lead_until_lost": lead_until_lost,
         "queue_and_fork": queue_and_fork,

@@ -20,13 +20,15 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import re
+from collections.abc import Iterator
 from functools import cached_property
 from typing import Any
 
 from django.core import checks
 from django.db import DatabaseError, connections
 
-from distlocks.backends.db.native import HELD_COLUMNS, TABLE, NativeLockBackend
+from distlocks.backends.db.native import NativeLockBackend
+from distlocks.backends.db.native_sql import HELD_COLUMNS, TABLE, Lease
 from distlocks.owner import Owner
 
 _PLAIN = re.compile(r"[a-z0-9_.:-]{1,64}")
@@ -35,18 +37,40 @@ _LATER = f"{_NOW} + INTERVAL %s MICROSECOND"
 _COLUMNS = "lock_name, lock_key, session, owner_host, owner_pid, owner_thread, owner_secret, hold_count, acquired_at, expires_at"
 _VALUES = f"%s, %s, CONNECTION_ID(), %s, %s, %s, %s, 1, {_NOW}, {_LATER}"
 _HOLDING = "IS_USED_LOCK(n.lock_key) <=> n.session"
-# The lock and its lease in one statement: the row is written only if GET_LOCK took the lock.
-_TRY = "REPLACE INTO {table} ({columns}) SELECT {values} FROM DUAL WHERE GET_LOCK(%s, 0) = 1"
-_WRITE = "REPLACE INTO {table} ({columns}) VALUES ({values})"
-# MariaDB (migration 0004): the token from a sequence, returned as the statement's insert id.
+_LIVE = f"n.expires_at > {_NOW}"
+# InnoDB (MySQL): the lock and its lease in one statement, the row written only if GET_LOCK took the lock, and
+# over no live lease of the lock (the first parameter: its name), whatever its session: the lock is not free
+# while it lives. A release ends its lease (below), and the next holder replaces the row.
+_NO_LEASE = f"NOT EXISTS (SELECT 1 FROM {TABLE} n WHERE n.lock_name = %s AND {_LIVE})"
+_TRY = f"REPLACE INTO {TABLE} ({_COLUMNS}) SELECT {_VALUES} FROM DUAL WHERE {_NO_LEASE} AND GET_LOCK(%s, 0) = 1"
+_WRITE = f"REPLACE INTO {TABLE} ({_COLUMNS}) SELECT {_VALUES} FROM DUAL WHERE {_NO_LEASE}"
+# The live lease is ended, then the lock freed (assignments run left to right), in one statement. Matched only if live.
+_UNLOCK = (
+    f"UPDATE {TABLE} n SET n.expires_at = n.acquired_at, n.hold_count = 0 * IFNULL(RELEASE_LOCK(%s), 0)"
+    f" WHERE n.id = %s AND {_LIVE}"
+)
+_END_LEASE = f"UPDATE {TABLE} n SET n.expires_at = n.acquired_at, n.hold_count = 0 WHERE n.lock_name = %s AND n.id = %s"
+# MariaDB (migration 0004): the leases in a MEMORY table, the token from a sequence, returned as the statement's
+# insert id. A release deletes its lease, so the lock is free when no row is there: an insert that finds one (a
+# live lease; or one that ran out, which sql_write deletes) is ignored. A statement locks the whole table, so no
+# other sees the lock taken or freed without its row written or deleted. (Reading the table in the statement
+# that writes it, as InnoDB's do, would cost a temporary table: 30 us a lock.)
 _SEQUENCED_COLUMNS = f"id, {_COLUMNS}"
 _SEQUENCED_VALUES = f"LAST_INSERT_ID(NEXTVAL(distlocks_native_token)), {_VALUES}"
+_TRY_MEMORY = (
+    f"INSERT IGNORE INTO {TABLE} ({_SEQUENCED_COLUMNS}) SELECT {_SEQUENCED_VALUES} FROM DUAL WHERE GET_LOCK(%s, 0) = 1"
+)
+_WRITE_MEMORY = f"INSERT IGNORE INTO {TABLE} ({_SEQUENCED_COLUMNS}) VALUES ({_SEQUENCED_VALUES})"
+# Matched (and the lock freed) only if live, in whichever order the conditions are read.
+_UNLOCK_MEMORY = f"DELETE n FROM {TABLE} n WHERE n.id = %s AND {_LIVE} AND RELEASE_LOCK(%s) IS NOT NULL"
+_END_LEASE_MEMORY = f"DELETE n FROM {TABLE} n WHERE n.lock_name = %s AND n.id = %s"
 _TABLE_FULL = 1114  # the MEMORY table reached its size limit
-# Left to right: the lease is read before the lock is freed (and the next holder replaces the row).
-_UNLOCK = f"SELECT (SELECT COUNT(*) FROM {TABLE} WHERE id = %s AND expires_at > {_NOW}), RELEASE_LOCK(%s)"
-_HOLDER = (
-    f"SELECT TIMESTAMPDIFF(MICROSECOND, {_NOW}, n.expires_at), n.session FROM {TABLE} n"
-    f" WHERE n.lock_name = %s AND {_HOLDING}"
+# The lease (if any); whether its session holds the lock; whether this session does (the first parameters: its
+# name), and if so with a live lease there, the lock freed (left to right: after the lease is read).
+_LEASE = (
+    f"SELECT n.id, TIMESTAMPDIFF(MICROSECOND, {_NOW}, n.expires_at), n.session, {_HOLDING}, n.hold_count = 0,"
+    f" IS_USED_LOCK(%s) <=> CONNECTION_ID(), IF(IS_USED_LOCK(%s) <=> CONNECTION_ID() AND {_LIVE}, RELEASE_LOCK(%s), NULL)"
+    f" FROM (SELECT 1) one LEFT JOIN {TABLE} n ON n.lock_name = %s"
 )
 _RENEW = (
     f"UPDATE {TABLE} n SET {{expiry}}n.hold_count = n.hold_count + %s"
@@ -56,7 +80,7 @@ _RENEW = (
 # The session idle holding the lock (the first parameter: its server name) with no lease naming it.
 _UNLEASED = (
     "FROM information_schema.PROCESSLIST p WHERE p.ID = IS_USED_LOCK(%s) AND p.COMMAND = 'Sleep'"
-    f" AND NOT EXISTS (SELECT 1 FROM {TABLE} n WHERE n.lock_key = %s AND n.session = p.ID)"
+    f" AND NOT EXISTS (SELECT 1 FROM {TABLE} n WHERE n.lock_key = %s AND n.session = p.ID AND n.hold_count > 0)"
 )
 _UNKNOWN_THREAD = 1094  # KILL of a session that ended meanwhile
 
@@ -86,43 +110,60 @@ class MySQLLockBackend(NativeLockBackend):
         """Whether the leases live in a MEMORY table with tokens from a sequence (MariaDB), else InnoDB."""
         return bool(self._base().mysql_is_mariadb)  # type: ignore[attr-defined]
 
-    def _lease(self, statement: str) -> str:
-        if self.in_memory:
-            return statement.format(table=TABLE, columns=_SEQUENCED_COLUMNS, values=_SEQUENCED_VALUES)
-        return statement.format(table=TABLE, columns=_COLUMNS, values=_VALUES)
-
     def _write_lease(self, cursor: Any, statement: str, params: list[Any], took_lock: bool) -> None:
         """Write a lease row; a MEMORY table that is full is emptied of the rows of locks no longer held first."""
         try:
-            cursor.execute(self._lease(statement), params)
+            cursor.execute(statement, params)
         except DatabaseError as exc:
             if not (self.in_memory and exc.args and exc.args[0] == _TABLE_FULL):
                 raise
             if took_lock:  # the failed statement may have taken the server's lock: free it before trying again
                 cursor.execute("SELECT RELEASE_ALL_LOCKS()")
-            cursor.execute(f"DELETE FROM {TABLE} WHERE NOT (IS_USED_LOCK(lock_key) <=> session)")
-            cursor.execute(self._lease(statement), params)
+            cursor.execute(f"DELETE n FROM {TABLE} n WHERE NOT ({_LIVE}) AND NOT ({_HOLDING})")
+            cursor.execute(statement, params)
 
     def sql_try(self, cursor: Any, key: str, owner: Owner, ttl: float) -> int | None:
-        self._write_lease(cursor, _TRY, [*self._values(key, owner, ttl), self.server_key(key)], took_lock=True)
+        if self.in_memory:
+            self._write_lease(cursor, _TRY_MEMORY, [*self._values(key, owner, ttl), self.server_key(key)], True)
+        else:
+            self._write_lease(cursor, _TRY, [*self._values(key, owner, ttl), key, self.server_key(key)], True)
         return int(cursor.lastrowid) if cursor.rowcount > 0 else None
 
     def sql_block(self, cursor: Any, key: str, seconds: float) -> bool:
         cursor.execute("SELECT GET_LOCK(%s, %s)", [self.server_key(key), round(seconds, 3)])
         return bool(cursor.fetchone()[0] == 1)
 
-    def sql_write(self, cursor: Any, key: str, owner: Owner, ttl: float) -> int:
-        self._write_lease(cursor, _WRITE, self._values(key, owner, ttl), took_lock=False)
-        return int(cursor.lastrowid)
+    def sql_write(self, cursor: Any, key: str, owner: Owner, ttl: float) -> int | None:
+        if not self.in_memory:
+            self._write_lease(cursor, _WRITE, [*self._values(key, owner, ttl), key], took_lock=False)
+            return int(cursor.lastrowid) if cursor.rowcount > 0 else None
+        self._write_lease(cursor, _WRITE_MEMORY, self._values(key, owner, ttl), took_lock=False)
+        if cursor.rowcount == 0:  # a lease is there: one that ended (its holder died) is deleted, a live one stays
+            cursor.execute(f"DELETE n FROM {TABLE} n WHERE n.lock_name = %s AND NOT ({_LIVE})", [key])
+            if cursor.rowcount == 0:
+                return None
+            self._write_lease(cursor, _WRITE_MEMORY, self._values(key, owner, ttl), took_lock=False)
+        return int(cursor.lastrowid) if cursor.rowcount > 0 else None
 
     def sql_unlock(self, cursor: Any, key: str, token: int) -> bool:
-        cursor.execute(_UNLOCK, [token, self.server_key(key)])
-        return bool(cursor.fetchone()[0])
+        if self.in_memory:
+            cursor.execute(_UNLOCK_MEMORY, [token, self.server_key(key)])
+        else:
+            cursor.execute(_UNLOCK, [self.server_key(key), token])
+        if cursor.rowcount == 1:
+            return True
+        cursor.execute("SELECT RELEASE_LOCK(%s)", [self.server_key(key)])  # the lease had ended: free the lock alone
+        return False
 
-    def sql_holder(self, cursor: Any, key: str) -> tuple[float, int] | None:
-        cursor.execute(_HOLDER, [key])
+    def sql_lease(self, cursor: Any, key: str) -> tuple[Lease | None, bool]:
+        name = self.server_key(key)
+        cursor.execute(_LEASE, [name, name, name, key])
         row = cursor.fetchone()
-        return None if row is None else (row[0] / 1e6, int(row[1]))
+        lease = None if row[0] is None else Lease(row[1] / 1e6, int(row[2]), bool(row[3]), bool(row[4]))
+        return lease, bool(row[5]) and (lease is None or lease.left <= 0)
+
+    def sql_end_lease(self, cursor: Any, key: str, token: int) -> None:
+        cursor.execute(_END_LEASE_MEMORY if self.in_memory else _END_LEASE, [key, token])
 
     def _kill(self, cursor: Any, session: int) -> None:
         try:
@@ -131,19 +172,32 @@ class MySQLLockBackend(NativeLockBackend):
             if not (exc.args and exc.args[0] == _UNKNOWN_THREAD):
                 raise
 
+    @contextlib.contextmanager
+    def _still(self, cursor: Any) -> Iterator[None]:
+        """Keep the leases as read (the MEMORY table locked, which has no row locks; InnoDB: the rows read
+        ``FOR UPDATE``) until the block ends: a session ended for what they say cannot have moved on meanwhile
+        (released, and taken a lock again), since its statements on them wait."""
+        cursor.execute(f"LOCK TABLES {TABLE} AS n WRITE, {TABLE} WRITE" if self.in_memory else "START TRANSACTION")
+        try:
+            yield
+        finally:
+            with contextlib.suppress(DatabaseError):
+                cursor.execute("UNLOCK TABLES" if self.in_memory else "COMMIT")
+
     def sql_end_session(self, cursor: Any, key: str, session: int) -> None:
-        cursor.execute(
-            f"SELECT n.session FROM {TABLE} n WHERE n.lock_name = %s AND n.session = %s"
-            f" AND n.expires_at <= {_NOW} AND {_HOLDING}",
-            [key, session],
-        )
-        found = cursor.fetchone()
-        if found is None:  # or it holds the lock idle on no lease (see sql_unleased)
-            name = self.server_key(key)
-            cursor.execute(f"SELECT p.ID {_UNLEASED} AND p.ID = %s", [name, name, session])
+        with self._still(cursor):
+            cursor.execute(
+                f"SELECT n.session FROM {TABLE} n WHERE n.lock_name = %s AND n.session = %s"
+                f" AND n.expires_at <= {_NOW} AND n.hold_count > 0 AND {_HOLDING} FOR UPDATE",
+                [key, session],
+            )
             found = cursor.fetchone()
-        if found is not None:
-            self._kill(cursor, session)
+            if found is None:  # or it holds the lock idle on no lease (see sql_unleased)
+                name = self.server_key(key)
+                cursor.execute(f"SELECT p.ID {_UNLEASED} AND p.ID = %s", [name, name, session])
+                found = cursor.fetchone()
+            if found is not None:
+                self._kill(cursor, session)
 
     def sql_unleased(self, cursor: Any, key: str) -> tuple[float, int] | None:
         name = self.server_key(key)
@@ -159,35 +213,29 @@ class MySQLLockBackend(NativeLockBackend):
 
     def sql_held(self, cursor: Any, key: str | None) -> list[Any]:
         where = " AND n.lock_name = %s" if key else ""
-        cursor.execute(f"SELECT {HELD_COLUMNS}, NULL FROM {TABLE} n WHERE {_HOLDING}{where}", [key] if key else [])
+        cursor.execute(
+            f"SELECT {HELD_COLUMNS}, NULL FROM {TABLE} n WHERE ({_HOLDING} OR {_LIVE}){where}", [key] if key else []
+        )
         return list(cursor.fetchall())
 
     def sql_force_release(self, cursor: Any, key: str, token: int | None) -> bool:
-        """Compare under a lock (of the row; of the MEMORY table, which has no row locks), then end the
-        holding session: its next acquisition waits for that lock, so a stale token never ends a new hold."""
+        """Compare, then end the holding session, with the leases kept still: a stale token never ends a new hold."""
         mine = "" if token is None else " AND n.id = %s"
-        if self.in_memory:
-            cursor.execute(f"LOCK TABLES {TABLE} AS n WRITE, {TABLE} WRITE")
-        else:
-            cursor.execute("START TRANSACTION")
-        try:
+        with self._still(cursor):
             cursor.execute(
-                f"SELECT n.id, n.session FROM {TABLE} n WHERE n.lock_name = %s{mine} AND {_HOLDING} FOR UPDATE",
+                f"SELECT n.id, n.session, {_HOLDING} FROM {TABLE} n"
+                f" WHERE n.lock_name = %s{mine} AND ({_HOLDING} OR {_LIVE}) FOR UPDATE",
                 [key, *([] if token is None else [token])],
             )
             row = cursor.fetchone()
             if row is not None:
-                self._kill(cursor, row[1])
+                if row[2]:
+                    self._kill(cursor, row[1])
                 cursor.execute(f"DELETE FROM {TABLE} WHERE id = %s", [row[0]])
-        finally:
-            with contextlib.suppress(DatabaseError):
-                cursor.execute("UNLOCK TABLES" if self.in_memory else "COMMIT")
         return row is not None
 
     def sql_clear_expired(self, cursor: Any, dry_run: bool) -> int:
-        cursor.execute(
-            f"SELECT n.id, n.session, {_HOLDING} FROM {TABLE} n WHERE n.expires_at <= {_NOW} OR NOT ({_HOLDING})"
-        )
+        cursor.execute(f"SELECT n.id, n.session, n.hold_count > 0 AND {_HOLDING} FROM {TABLE} n WHERE NOT ({_LIVE})")
         rows = cursor.fetchall()
         if dry_run or not rows:
             return len(rows)

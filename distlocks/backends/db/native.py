@@ -15,6 +15,14 @@ ends no other hold. A waiter that finds the lease run out while the recorded
 session still holds the server's lock ends that session (``KILL CONNECTION``,
 ``pg_terminate_backend``) and takes the lock: a hung holder loses it after
 ``ttl``, and its watchdog's next renewal (or its release) finds the lease gone.
+
+The lock is free only once its lease is too: a session can end under a holder
+that learns of it at its next renewal (``KILL``, ``wait_timeout``,
+``idle_session_timeout``, a proxy). An acquisition writes its lease only over
+one that has ended, in the statement that takes the server's lock, else frees
+that again and waits; a release ends its lease as it frees the server's lock,
+and a hold let go of otherwise ends it at once. So a holder that dies (SIGKILL)
+keeps the lock until its lease runs out: the server cannot tell the two apart.
 """
 
 from __future__ import annotations
@@ -22,9 +30,9 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from typing import Any, TypeVar
 
 from django.core import checks
@@ -47,16 +55,16 @@ from distlocks.backends.db.config import (
     wrong_database,
 )
 from distlocks.backends.db.connections import close_if_dropped, is_busy, open_like, track, tracked
+from distlocks.backends.db.native_sql import TABLE, Lease, NativeStatements, utc
 from distlocks.exceptions import BackendUnavailable
 from distlocks.owner import Owner
 
 T = TypeVar("T")
 
-TABLE = "distlocks_native_lease"
 # How long a waiter that ended an expired holder's session waits for the server to free its lock.
 TAKEOVER_WAIT = 2.0
-# The columns ``held()`` reads, in this order.
-HELD_COLUMNS = "n.lock_name, n.owner_host, n.owner_pid, n.owner_thread, n.hold_count, n.id, n.acquired_at, n.expires_at"
+# How long at most a waiter sleeps at once while the lease of a session that ended lives on (it may end sooner).
+ORPHAN_POLL = 0.5
 
 
 class TimedOut(Exception):
@@ -86,6 +94,9 @@ class _Hold:
 # by closing its connection.
 _holding: dict[tuple[str, str, str], _Hold] = {}
 _holding_lock = threading.Lock()
+# The tokens of holds whose session a re-entry found ended: their leases end when the hold is let go of
+# (``drop``), not at once, since the holding thread is told only once the re-entry has returned.
+_unended: dict[tuple[str, str, str], int] = {}
 
 
 def _cursor(connection: BaseDatabaseWrapper) -> Any:
@@ -106,13 +117,14 @@ def _cursor(connection: BaseDatabaseWrapper) -> Any:
 def _forget_after_fork() -> None:
     global _holding_lock
     _holding.clear()  # the parent's sessions: connections.py has cut the child off them
+    _unended.clear()
     _holding_lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
 
 
-class NativeLockBackend(BaseLockBackend):
+class NativeLockBackend(NativeStatements, BaseLockBackend):
     """A lock backend on a database server's own named locks; subclasses give the SQL."""
 
     max_key_length = 255
@@ -128,69 +140,12 @@ class NativeLockBackend(BaseLockBackend):
         self._idle: list[BaseDatabaseWrapper] = []
         self._won: dict[str, BaseDatabaseWrapper] = {}  # taken inside wait(), recorded by the next try_acquire
         self._lease_left: dict[str, float | None] = {}
+        self._orphaned: set[str] = set()  # keys whose last look found a live lease of a session that ended
 
     def make_key(self, name: str) -> str:
         if "\x00" in name:
             raise ValueError("name must not contain a NUL character ('\\x00'): the lease table cannot store it")
         return super().make_key(name)
-
-    # -- the SQL, per server -----------------------------------------------------
-
-    def server_key(self, key: str) -> str:
-        """What the server locks for ``key``, as stored in the ``lock_key`` column."""
-        raise NotImplementedError
-
-    def sql_try(self, cursor: Any, key: str, owner: Owner, ttl: float) -> int | None:
-        """Take the server's lock if free and write the lease, in one statement; the token or None."""
-        raise NotImplementedError
-
-    def sql_block(self, cursor: Any, key: str, seconds: float) -> bool:
-        """Wait inside the server at most ``seconds`` for its lock; True if taken (no lease written)."""
-        raise NotImplementedError
-
-    def sql_write(self, cursor: Any, key: str, owner: Owner, ttl: float) -> int:
-        """Write the lease of a server lock this session holds; the token."""
-        raise NotImplementedError
-
-    def sql_unlock(self, cursor: Any, key: str, token: int) -> bool:
-        """Free the server's lock; True if the lease ``token`` was still live."""
-        raise NotImplementedError
-
-    def sql_holder(self, cursor: Any, key: str) -> tuple[float, int] | None:
-        """Seconds left on the lease of the session holding ``key``'s server lock, and that session (None: unknown)."""
-        raise NotImplementedError
-
-    def sql_end_session(self, cursor: Any, key: str, session: int) -> None:
-        """End ``session`` if it holds ``key``'s server lock on an expired lease, or idle on none (its locks are freed)."""
-        raise NotImplementedError
-
-    def sql_unleased(self, cursor: Any, key: str) -> tuple[float, int] | None:
-        """The session idle holding ``key``'s server lock with no lease naming it (a waiter the server handed the
-        lock to, which has yet to write its lease), and the seconds left of its ``TIMEOUT`` to write it; else None."""
-        raise NotImplementedError
-
-    def sql_renew(self, cursor: Any, key: str, secret: str, ttl: float | None, more: int, token: int | None) -> bool:
-        """Renew (``ttl``; None: leave it) the live lease of ``secret`` whose session holds the lock, counting ``more``
-        holds; only the acquisition ``token`` (None: any), so that a late renewal never touches the owner's next."""
-        raise NotImplementedError
-
-    def sql_held(self, cursor: Any, key: str | None) -> list[Sequence[Any]]:
-        """Rows of ``HELD_COLUMNS`` plus waiters, of the leases whose session holds the server lock."""
-        raise NotImplementedError
-
-    def sql_force_release(self, cursor: Any, key: str, token: int | None) -> bool:
-        raise NotImplementedError
-
-    def sql_clear_expired(self, cursor: Any, dry_run: bool) -> int:
-        raise NotImplementedError
-
-    def sql_warnings(self, cursor: Any) -> list[checks.CheckMessage]:
-        """What the server says that breaks these locks (a pooler, a cluster), for ``manage.py check``."""
-        return []
-
-    def timed_out(self, exc: Exception) -> bool:
-        """Whether ``exc`` means a wait for the server's lock ran out of its time."""
-        return False
 
     # -- connections -------------------------------------------------------------
 
@@ -258,7 +213,7 @@ class NativeLockBackend(BaseLockBackend):
         connection = won or self._connection()
         try:
             if won is not None:
-                token: int | None = self._run(won, lambda c: self.sql_write(c, key, owner, ttl))
+                token: int | None = self._write(won, key, owner, ttl)
             else:
                 token = self._attempt(connection, key, owner, ttl)
         except BackendUnavailable as exc:
@@ -280,8 +235,14 @@ class NativeLockBackend(BaseLockBackend):
         token = self._run(connection, lambda c: self.sql_try(c, key, owner, ttl))
         if token is not None:
             return token
-        holder = self._run(connection, lambda c: self.sql_holder(c, key))
-        if holder is None:  # no lease names the holding session (a waiter handed the lock): see sql_unleased
+        lease, mine = self._look(connection, key)
+        if mine:  # the server's lock was free, and the lease there had ended (its holder died)
+            return self._write(connection, key, owner, ttl)
+        if lease is not None and not lease.holding and lease.left > 0:
+            return None  # the lease of a session that ended lives on: the lock is not free yet
+        if lease is not None and lease.holding and not lease.released:
+            holder: tuple[float, int] | None = (lease.left, lease.session)
+        else:  # no lease names the holding session (a waiter handed the lock): see sql_unleased
             holder = self._run(connection, lambda c: self.sql_unleased(c, key))
         self._lease_left[key] = None if holder is None else holder[0]
         if holder is None or holder[0] > 0:
@@ -291,7 +252,32 @@ class NativeLockBackend(BaseLockBackend):
         self._run(connection, lambda c: self.sql_end_session(c, key, holder[1]))
         if not self._block(connection, key, min(TAKEOVER_WAIT, self.timeout)):
             return None
-        return self._run(connection, lambda c: self.sql_write(c, key, owner, ttl))
+        return self._write(connection, key, owner, ttl)
+
+    def _write(self, connection: BaseDatabaseWrapper, key: str, owner: Owner, ttl: float) -> int | None:
+        """Write the lease of the server lock this session took; None (the server's lock freed again) if a live
+        lease is there: the server ended its holder's session, which may not know yet."""
+        for _ in range(2):
+            token = self._run(connection, lambda c: self.sql_write(c, key, owner, ttl))
+            if token is not None or not self._look(connection, key)[1]:
+                return token
+        connection.close()  # a lease there that keeps coming back: free the server's lock with the session
+        return None
+
+    def _look(self, connection: BaseDatabaseWrapper, key: str) -> tuple[Lease | None, bool]:
+        """``sql_lease``, after an attempt that did not get the lock; note a live lease whose session ended."""
+        lease, mine = self._run(connection, lambda c: self.sql_lease(c, key))
+        if lease is not None and not lease.holding and lease.left > 0:
+            self._orphaned.add(key)
+            self._lease_left[key] = lease.left
+        else:
+            self._orphaned.discard(key)
+        return lease, mine
+
+    def _end_lease(self, key: str, token: int) -> None:
+        """End the lease ``token`` of a hold let go of without a release, if the server answers (else it runs out)."""
+        with contextlib.suppress(BackendUnavailable):
+            self._on_any(lambda c: self.sql_end_lease(c, key, token))
 
     def _block(self, connection: BaseDatabaseWrapper, key: str, seconds: float) -> bool:
         try:
@@ -310,6 +296,10 @@ class NativeLockBackend(BaseLockBackend):
         left = self._lease_left.get(key)
         if left is not None and left > 0:
             seconds = min(seconds, left + 0.01)
+        if key in self._orphaned:
+            # The server's lock is free, but not the lock: sleep until that lease ends (or look again sooner).
+            time.sleep(min(seconds, ORPHAN_POLL))
+            return
         connection = self._connection()
         try:
             won = self._block(connection, key, max(seconds, 0.001))
@@ -323,21 +313,35 @@ class NativeLockBackend(BaseLockBackend):
 
     def end_wait(self, key: str, acquired: bool) -> None:
         self._lease_left.pop(key, None)
+        self._orphaned.discard(key)
         won = self._won.pop(key, None)
         if won is not None:  # taken by wait() but never recorded (the caller gave up): free it
             with contextlib.suppress(Exception):
                 won.close()
 
-    def _mine(self, key: str, owner: Owner) -> _Hold | None:
+    def _mine(self, key: str, owner: Owner, releasing: bool = False) -> _Hold | None:
+        """``owner``'s hold of ``key`` in this process, if its session lasts (else it is let go of)."""
         hold = _holding.get((self.alias, key, owner.secret))
         if hold is None or not tracked(hold.connection):  # not held, or held by the parent of this fork
             return None
         close_if_dropped(hold.connection)
         if hold.connection.connection is None:  # the session ended: so did the server's lock
-            self._forget(key, owner)
-            hold.home._put(hold.connection)
+            self._let_go(key, owner, hold, last=releasing and hold.count <= 1)
             return None
         return hold
+
+    def _let_go(self, key: str, owner: Owner, hold: _Hold, last: bool) -> None:
+        """Forget ``hold``, whose session ended; end its lease at its ``last`` release, else when it is dropped.
+
+        Not sooner: the holding thread is in its critical section until then, and is told it lost the lock
+        only once this call returns.
+        """
+        self._forget(key, owner)
+        hold.home._put(hold.connection)
+        if last:
+            self._end_lease(key, hold.token)
+        else:
+            _unended[(self.alias, key, owner.secret)] = hold.token
 
     def _forget(self, key: str, owner: Owner) -> None:
         with _holding_lock:
@@ -350,25 +354,24 @@ class NativeLockBackend(BaseLockBackend):
         try:
             renewed = self._run(hold.connection, lambda c: self.sql_renew(c, key, owner.secret, ttl, 1, hold.token))
         except BackendUnavailable:
-            self._forget(key, owner)  # its session is gone, and the server's lock with it
-            hold.home._put(hold.connection)
+            self._let_go(key, owner, hold, last=False)  # its session is gone, and the server's lock with it
             return False
         if renewed:
             hold.count += 1
         return renewed
 
     def release(self, key: str, owner: Owner) -> bool:
-        hold = self._mine(key, owner)
+        hold = self._mine(key, owner, releasing=True)
         if hold is None:
             return False
+        last = hold.count <= 1
         try:
-            if hold.count > 1:
+            if not last:
                 hold.count -= 1
                 return self._run(hold.connection, lambda c: self.sql_renew(c, key, owner.secret, None, -1, hold.token))
             live = self._run(hold.connection, lambda c: self.sql_unlock(c, key, hold.token))
         except BackendUnavailable:
-            self._forget(key, owner)
-            hold.home._put(hold.connection)
+            self._let_go(key, owner, hold, last)  # its session is closed (by _run), and the server's lock with it
             return False
         self._forget(key, owner)
         hold.home._put(hold.connection)
@@ -388,10 +391,14 @@ class NativeLockBackend(BaseLockBackend):
         """Free ``owner``'s hold of ``key`` by closing its session (from any thread of the process)."""
         with _holding_lock:
             hold = _holding.pop((self.alias, key, owner.secret), None)
+            unended = _unended.pop((self.alias, key, owner.secret), None)
         if hold is None:
+            if unended is not None:
+                self._end_lease(key, unended)
             return False
         with contextlib.suppress(Exception):
             hold.connection.close()
+        self._end_lease(key, hold.token)
         return True
 
     # -- inspection and maintenance ----------------------------------------------
@@ -405,8 +412,8 @@ class NativeLockBackend(BaseLockBackend):
                 owner=f"{row[1]}:{row[2]}:{row[3]}",
                 hold_count=int(row[4]),
                 token=int(row[5]),
-                acquired_at=_utc(row[6]),
-                expires_at=_utc(row[7]),
+                acquired_at=utc(row[6]),
+                expires_at=utc(row[7]),
                 waiters=None if row[8] is None else int(row[8]),
             )
             for row in rows
@@ -441,8 +448,3 @@ class NativeLockBackend(BaseLockBackend):
         wrong = wrong_database(self, connections[self.database].vendor)
         hint = "Use the backend for that database, or distlocks.backends.db.DatabaseBackend (any database)."
         return [] if wrong is None else [checks.Error(f"{wrong}.", hint=hint, id="distlocks.E007")]
-
-
-def _utc(value: datetime) -> datetime:
-    """A DATETIME read back naive (MySQL) is UTC: the leases are written in UTC."""
-    return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
