@@ -7,10 +7,12 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 WARM_UP = 0.5  # seconds of untimed contended cycles before the timed ones
 CONTENDERS_GRACE = 120  # seconds a contended run may take beyond its timed part (start-up, the last cycles)
@@ -163,6 +165,11 @@ def contend_blocking(
         return waited
 
     return contend(counter, processes, seconds, cycle)
+
+
+def contender_command(script: str, processes: int, worker: list[Any], options: tuple[str, ...] = ()) -> list[str]:
+    """The command that runs one contender: ``script`` (a benchmark's ``__file__``) as ``--worker`` with ``worker``."""
+    return [sys.executable, script, *options, "--processes", str(processes), "--worker", *map(str, worker)]
 
 
 def gather_reports(command: list[str], processes: int, seconds: float) -> list[dict]:

@@ -43,7 +43,7 @@ from django.core.management import call_command  # noqa: E402
 from django.db import DatabaseError, connections  # noqa: E402
 
 import distlocks  # noqa: E402
-from bench.common import arguments, bump, contend, gather_reports, time_cycles  # noqa: E402
+from bench.common import arguments, bump, contend, contender_command, gather_reports, time_cycles  # noqa: E402
 
 DATABASES = ["default", "mariadb", "postgresql"]
 IMPLS = ["floor", "django-db-mutex", "distlocks", "native"]
@@ -183,18 +183,7 @@ def contended(impl: str, alias: str, seconds: float, processes: int, tmp: Path) 
     counter = tmp / f"counter-{uuid.uuid4().hex}"
     counter.write_text("0")
     name = f"bench-{uuid.uuid4().hex}"
-    command = [
-        sys.executable,
-        __file__,
-        "--processes",
-        str(processes),
-        "--worker",
-        impl,
-        alias,
-        name,
-        str(seconds),
-        str(counter),
-    ]
+    command = contender_command(__file__, processes, [impl, alias, name, seconds, counter])
     reports = gather_reports(command, processes, seconds)
     cycles = sum(r["cycles"] for r in reports)
     turns = Path(f"{counter}.order").read_text().split()

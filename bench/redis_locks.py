@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
-from bench.common import arguments, contend_blocking, run_contenders, time_cycles  # noqa: E402
+from bench.common import arguments, contend_blocking, contender_command, run_contenders, time_cycles  # noqa: E402
 
 os.environ["DJANGO_SETTINGS_MODULE"] = "bench.settings"
 
@@ -124,19 +124,7 @@ def contended(impl: str, url: str, seconds: float, processes: int, tmp: Path) ->
     counter = tmp / f"counter-{uuid.uuid4().hex}"
     counter.write_text("0")
     name = f"bench-{uuid.uuid4().hex}"
-    command = [
-        sys.executable,
-        __file__,
-        "--url",
-        url,
-        "--processes",
-        str(processes),
-        "--worker",
-        impl,
-        name,
-        str(seconds),
-        str(counter),
-    ]
+    command = contender_command(__file__, processes, [impl, name, seconds, counter], ("--url", url))
     return run_contenders(command, counter, processes, seconds)[1]
 
 

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
-from bench.common import arguments, contend_blocking, run_contenders, time_cycles  # noqa: E402
+from bench.common import arguments, contend_blocking, contender_command, run_contenders, time_cycles  # noqa: E402
 
 os.environ["DJANGO_SETTINGS_MODULE"] = "bench.settings"
 
@@ -124,18 +124,7 @@ def contended(impl: str, seconds: float, processes: int, tmp: Path) -> dict[str,
     counter.write_text("0")
     log = tmp / f"log-{uuid.uuid4().hex}"
     name = f"bench-{uuid.uuid4().hex}"
-    command = [
-        sys.executable,
-        __file__,
-        "--processes",
-        str(processes),
-        "--worker",
-        impl,
-        name,
-        str(seconds),
-        str(counter),
-        str(log),
-    ]
+    command = contender_command(__file__, processes, [impl, name, seconds, counter, log])
     _, figures = run_contenders(command, counter, processes, seconds)
     return {**figures, "fifo": fifo_share(log)}
 
