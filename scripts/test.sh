@@ -3,13 +3,13 @@
 # build the docs site (mkdocs build --strict) and run the whole test suite
 # against SQLite, MariaDB and PostgreSQL: on the newest Python with Django
 # 6.1, and again on Python 3.10 with Django 5.2 LTS.
-# Each pass spreads the tests over TEST_WORKERS pytest-xdist workers (default 2;
+# Each pass spreads the tests over TEST_WORKERS pytest-xdist workers (default 4;
 # 0 runs them in one process), each with servers and databases of its own.
 # Extra arguments go to pytest. Every step's time is printed at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/lib.sh
-workers="${TEST_WORKERS:-2}"
+workers="${TEST_WORKERS:-4}"
 parallel=()
 [ "$workers" -gt 0 ] && parallel=(-n "$workers")
 logs=$(mktemp -d)
