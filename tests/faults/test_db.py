@@ -255,17 +255,19 @@ def test_extend_raises_within_timeout_when_server_hangs(alias, name):
 @servers
 def test_an_acquire_whose_answer_was_lost_does_not_keep_the_lock_for_its_ttl(alias, name):
     # The INSERT waits in the frozen proxy while the client gives up; the server runs it at the thaw.
+    # Frozen for longer than the client can wait: a new connection (the voided session's) may take
+    # CONNECT_TIMEOUT (5 s) twice, and a thaw at 10 s let the second through on a loaded machine.
     with behind_proxy(alias) as proxy:
         lk = distlocks.lock(name, using="proxied", ttl=30)
         assert lk.acquire(wait=0)
         token = lk.token
         lk.release()
-        with proxy.frozen():
+        with proxy.frozen(most=30):
             outcome, _ = timed(lambda: lk.acquire(wait=0))
         assert isinstance(outcome, distlocks.BackendUnavailable), outcome
         # Another owner gets the lock: a thread of this process voids the lost attempt once the server answers.
         until(lambda: in_thread(lambda: take(name, alias)), seconds=10)
-        with proxy.frozen():
+        with proxy.frozen(most=30):
             outcome, _ = timed(lambda: lk.acquire(wait=0))
         assert isinstance(outcome, distlocks.BackendUnavailable), outcome
         # Its owner's next attempt voids it first, and the void does not come back for the new hold.
