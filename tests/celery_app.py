@@ -36,10 +36,18 @@ def note(log: str, event: str) -> None:
 
 
 def work(log: str, seconds: float) -> int:
+    """Note "start", run ``seconds`` (or until the test calls ``finish_early(log)``), note "end"."""
     note(log, "start")
-    time.sleep(seconds)
+    ends = time.monotonic() + seconds
+    while time.monotonic() < ends and not os.path.exists(f"{log}.finish"):
+        time.sleep(min(0.01, max(0.0, ends - time.monotonic())))
     note(log, "end")
     return os.getpid()
+
+
+def finish_early(log: str) -> None:
+    """End the ``work`` of the tasks that write ``log`` now: a test that must see a task running gives it long."""
+    open(f"{log}.finish", "w").close()
 
 
 @app.task(base=LockedTask, lock_name="guard:{item}", lock_using="redis", lock_wait=None, lock_ttl=5)
@@ -73,10 +81,12 @@ def retrying(item: str, log: str, seconds: float = 1.0) -> int:
 @app.task(
     bind=True, base=LockedTask, lock_name="steps:{item}", lock_using="redis", lock_across_retries=True, lock_ttl=6
 )
-def in_steps(self: LockedTask, item: str, log: str) -> int:
+def in_steps(self: LockedTask, item: str, log: str, retry_queue: str) -> int:
     if self.request.retries == 0:
         note(log, "first")
-        raise self.retry(countdown=3)  # the test looks at the lock between the two: time for it on a loaded machine
+        # The retry waits in a queue of its own until the test, having looked at the lock, starts its worker;
+        # the lease is kept for the countdown and a ttl more: time to look on a loaded machine.
+        raise self.retry(countdown=3, queue=retry_queue)
     note(log, "second")
     return int(self.request.retries)
 

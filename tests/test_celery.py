@@ -23,6 +23,7 @@ from tests.celery_app import (
     deduped,
     deduped_on_mariadb,
     failing,
+    finish_early,
     guarded,
     guarded_on_mariadb,
     in_slow_steps,
@@ -51,7 +52,7 @@ class CeleryWorker:
             "--without-heartbeat", "--loglevel=WARNING", *options,
         ]  # fmt: skip
         # No system checks: the test settings name databases that are down on purpose.
-        # PYTHONFAULTHANDLER: stacks() makes every process of it print its threads' stacks.
+        # PYTHONFAULTHANDLER: a worker that crashes prints where.
         env = {**worker_env(), "CELERY_SKIP_CHECKS": "1", "PYTHONFAULTHANDLER": "1"}
         self.process = subprocess.Popen(command, cwd=ROOT, env=env, start_new_session=True)
         deadline = time.monotonic() + 60
@@ -62,13 +63,6 @@ class CeleryWorker:
         except BaseException:
             self.kill()  # no fixture knows of it yet
             raise
-
-    def stacks(self) -> None:
-        """Make the worker and its pool's processes print their threads' stacks on stderr (they end then)."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGABRT)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(5)
 
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):  # the group is gone once all of it has ended
@@ -175,16 +169,15 @@ def test_retry_runs_it_later(pair, log, name):
 
 
 def test_the_lock_is_held_across_the_tasks_own_retries(celery_workers, log, name, workers):
-    # One task per child process: the retry runs in another process than the first try.
+    # The retry runs in another worker than the first try, started once the test has looked at the lock.
     queue = f"q-{name}"  # its own queue: the shared workers must not take it
-    celery_workers(1, 1, "--max-tasks-per-child=1", "-Q", queue)
-    result = in_steps.apply_async((name, log), queue=queue)
-    wait_until(lambda: [event for event, *_ in events(log)] == ["first"] if os.path.exists(log) else False)
+    celery_workers(1, 1, "-Q", queue)
+    result = in_steps.apply_async((name, log, f"{queue}-retry"), queue=queue)
+    wait_until(lambda: os.path.exists(log) and [event for event, *_ in events(log)] == ["first"])
     # Between the two executions nobody else gets the lock.
     assert "task " + result.id in held("redis", f"steps:{name}").owner
-    taken = workers("take", "redis", f"steps:{name}", 0).finish()
-    assert [event for event, *_ in events(log)] == ["first"], "the retry ran before the test looked: not between"
-    assert taken == ["busy"]
+    assert workers("take", "redis", f"steps:{name}", 0).finish() == ["busy"]
+    celery_workers(1, 1, "-Q", f"{queue}-retry")
     assert result.get(timeout=30) == 1
     (first, first_pid, _), (second, second_pid, _) = events(log)
     assert (first, second) == ("first", "second")
@@ -270,23 +263,18 @@ def test_dedupe_at_enqueue_returns_the_queued_tasks_result(celery_workers, log, 
     def send(*args):
         return deduped.apply_async(args, queue=queue)
 
-    first = send(name, log, 1.0)
-    assert send(name, log, 1.0).id == first.id  # queued, no worker yet
+    first = send(name, log, 60.0)  # until the test has seen it running
+    assert send(name, log, 0).id == first.id  # queued, no worker yet
     other = send(f"{name}-other", log, 0)
     assert other.id != first.id
     marker = locks[alias].make_key(f"dedupe:dedupe:{name}")
     assert held(alias, f"dedupe:dedupe:{name}").owner.endswith(f" task {first.id}")
     # Only that task's identity can release its marker.
     assert not locks[alias].release(marker, task_owner(other.id, shared=True))
-    [worker] = celery_workers(1, 2, "-Q", queue)
-    try:
-        wait_until(
-            lambda: held(alias, f"dedupe:{name}") is not None, timeout=60
-        )  # a worker starting on a loaded machine
-    except AssertionError:
-        worker.stacks()  # where it is stuck: in the captured stderr
-        raise
-    assert send(name, log, 1.0).id == first.id  # running
+    celery_workers(1, 2, "-Q", queue)
+    wait_until(lambda: held(alias, f"dedupe:{name}") is not None, timeout=60)  # a worker starting on a loaded machine
+    assert send(name, log, 0).id == first.id  # running
+    finish_early(log)
     first.get(timeout=30)
     other.get(timeout=30)
     wait_until(lambda: held(alias, f"dedupe:dedupe:{name}") is None, timeout=3)  # released as it ended
