@@ -68,14 +68,13 @@ does not reach the 1.5x target, and it would break the contract:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 from typing import Any
 
 import psycopg
 from django.core import checks
-from django.db import DatabaseError, connections
+from django.db import connections
 from psycopg.types.numeric import Int8
 
 from distlocks.backends.db.native import NativeLockBackend
@@ -218,17 +217,18 @@ class AdvisoryLockBackend(NativeLockBackend):
 
     def sql_block(self, cursor: Any, key: str, seconds: float) -> bool:
         """Wait with ``lock_timeout`` set to ``seconds`` (read when the wait begins), then set back to ``TIMEOUT``."""
-        default = f"{self._ms()}ms"
-        try:
-            cursor.execute(
-                "SELECT set_config('lock_timeout', %s, false), pg_advisory_lock(%s), set_config('lock_timeout', %s, false)",
-                [f"{max(1, round(seconds * 1000))}ms", advisory_key(key), default],
-            )
-        except DatabaseError:
-            with contextlib.suppress(DatabaseError):
-                cursor.execute("SELECT set_config('lock_timeout', %s, false)", [default])
-            raise
+        cursor.execute(
+            "SELECT set_config('lock_timeout', %s, false), pg_advisory_lock(%s), set_config('lock_timeout', %s, false)",
+            [f"{max(1, round(seconds * 1000))}ms", advisory_key(key), f"{self._ms()}ms"],
+        )
         return True
+
+    def sql_granted(self, cursor: Any, key: str) -> bool:
+        # A wait cancelled by its lock_timeout (55P03) or statement_timeout (57014) after the releasing session
+        # granted it the lock (the grant is made there, the cancel here) keeps the session-level lock.
+        number = advisory_key(key)
+        cursor.execute(f"SELECT set_config('lock_timeout', %s, false), {_MINE}", [f"{self._ms()}ms", number, number])
+        return bool(cursor.fetchone()[1])
 
     def sql_write(self, cursor: Any, key: str, owner: Owner, ttl: float) -> int | None:
         row = _execute(cursor, _WRITE, self._values(key, owner, ttl))

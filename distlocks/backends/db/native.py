@@ -55,7 +55,7 @@ from distlocks.backends.db.config import (
     wrong_database,
 )
 from distlocks.backends.db.connections import close_if_dropped, is_busy, open_like, track, tracked
-from distlocks.backends.db.native_sql import TABLE, Lease, NativeStatements, utc
+from distlocks.backends.db.native_sql import TABLE, Lease, NativeStatements, TimedOut, utc
 from distlocks.exceptions import BackendUnavailable
 from distlocks.owner import Owner
 
@@ -65,10 +65,6 @@ T = TypeVar("T")
 TAKEOVER_WAIT = 2.0
 # How long at most a waiter sleeps at once while the lease of a session that ended lives on (it may end sooner).
 ORPHAN_POLL = 0.5
-
-
-class TimedOut(Exception):
-    """A statement waited as long as it was allowed to for the server's lock."""
 
 
 class Deadlocked(BackendUnavailable):
@@ -283,7 +279,8 @@ class NativeLockBackend(NativeStatements, BaseLockBackend):
         try:
             return self._run(connection, lambda c: self.sql_block(c, key, seconds), waits=True)
         except TimedOut:
-            return False
+            # Cancelled by a timeout as the server granted the lock, the wait leaves it held: it won.
+            return self._run(connection, lambda c: self.sql_granted(c, key))
 
     def wait(self, key: str, attempt: int, remaining: float | None) -> None:
         """Wait in the server's queue for the lock, until ``remaining`` runs out or the holder's lease would.

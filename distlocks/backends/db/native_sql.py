@@ -19,6 +19,10 @@ TABLE = "distlocks_native_lease"
 HELD_COLUMNS = "n.lock_name, n.owner_host, n.owner_pid, n.owner_thread, n.hold_count, n.id, n.acquired_at, n.expires_at"
 
 
+class TimedOut(Exception):
+    """A statement waited as long as it was allowed to for the server's lock."""
+
+
 @dataclass
 class Lease:
     """A lock's lease row as an attempt that did not get the lock found it."""
@@ -41,7 +45,13 @@ class NativeStatements:
         raise NotImplementedError
 
     def sql_block(self, cursor: Any, key: str, seconds: float) -> bool:
-        """Wait inside the server at most ``seconds`` for its lock; True if taken (no lease written)."""
+        """Wait inside the server at most ``seconds`` for its lock; True if taken (no lease written), False or
+        TimedOut if not (see ``sql_granted``)."""
+        raise NotImplementedError
+
+    def sql_granted(self, cursor: Any, key: str) -> bool:
+        """After ``sql_block`` raised TimedOut, set the session back as it was; whether it holds the server's
+        lock all the same (granted as the timeout cancelled the wait)."""
         raise NotImplementedError
 
     def sql_write(self, cursor: Any, key: str, owner: Owner, ttl: float) -> int | None:
