@@ -22,7 +22,8 @@ from distlocks.owner import Owner
 class ReadWriteStatements:
     """The read-write lock statements in one database's SQL (``now`` and ``later`` as the lock's)."""
 
-    def __init__(self, connection: BaseDatabaseWrapper, now: str, later: str) -> None:
+    def __init__(self, connection: BaseDatabaseWrapper, now: str, later: str, attempt: str) -> None:
+        """``attempt``: the condition on the rows that an attempt may have inserted (``Statements.drop_attempt``)."""
         from distlocks.models import ReadWriteHold
 
         table = connection.ops.quote_name(ReadWriteHold._meta.db_table)
@@ -47,6 +48,12 @@ class ReadWriteStatements:
         )
         self.drop = f"DELETE FROM {table} WHERE lock_name = %s AND mode = %s AND owner_secret = %s"
         self.drop_mine = f"{self.drop} AND id = COALESCE(%s, id)"  # a hold, live or expired
+        # The hold, or the waiting writer's record, that an attempt at a side (the second parameter) may have
+        # inserted. A reader's inserts no record, and its thread's next attempt at the lock (a writer's, that
+        # may) voids the reader's first: what this deletes for a reader is its hold only.
+        self.drop_attempt = (
+            f"DELETE FROM {table} WHERE lock_name = %s AND mode IN (%s, 'waiting') AND owner_secret = %s AND {attempt}"
+        )
         self.reenter = f"UPDATE {table} SET hold_count = hold_count + 1, expires_at = {later} WHERE {mine}"
         self.extend = f"UPDATE {table} SET expires_at = {later} WHERE {mine}"
         self.release_last = f"DELETE FROM {table} WHERE {mine} AND hold_count <= 1"
