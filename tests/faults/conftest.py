@@ -69,10 +69,12 @@ def frozen(server):
 class FreezableProxy:
     """A TCP proxy to a server on loopback ``port``.
 
-    ``frozen()`` passes nothing on, like a hung server; ``stalled()`` black-holes
-    only the connections open now (a NAT or firewall that dropped their state)
-    while new ones flow. With ``connect_delay``, each new connection passes
-    nothing on for that many seconds first (a long link's handshakes).
+    ``frozen()`` passes nothing on, like a hung server; ``frozen_after()`` the
+    same from a request on, once it has passed that request on (the server runs
+    it, its answer is lost); ``stalled()`` black-holes only the connections open
+    now (a NAT or firewall that dropped their state) while new ones flow. With
+    ``connect_delay``, each new connection passes nothing on for that many
+    seconds first (a long link's handshakes).
     """
 
     def __init__(self, port, connect_delay=0.0):
@@ -84,6 +86,7 @@ class FreezableProxy:
         self.flowing.set()
         self.sockets = [self.listener]
         self.stuck = set()  # sockets whose bytes go nowhere
+        self.freezes_after = None  # a client's request (its bytes) after which the proxy freezes
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self):
@@ -109,9 +112,16 @@ class FreezableProxy:
             threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
 
     def _pipe(self, source, sink):
+        from_client = source in self.sockets[1::2]
         with contextlib.suppress(OSError):
             while data := source.recv(65536):
-                self.flowing.wait()
+                freezes_after = self.freezes_after
+                if from_client and freezes_after is not None and freezes_after(data):
+                    # Frozen before the request goes on: its answer cannot slip through first.
+                    self.freezes_after = None
+                    self.flowing.clear()
+                else:
+                    self.flowing.wait()
                 if source not in self.stuck:
                     sink.sendall(data)
         with contextlib.suppress(OSError):
@@ -126,6 +136,20 @@ class FreezableProxy:
         try:
             yield
         finally:
+            thaw.cancel()
+            self.flowing.set()
+
+    @contextlib.contextmanager
+    def frozen_after(self, request, most=10):
+        """While the block runs (for at most ``most`` seconds), pass everything on until a client sends a chunk
+        for which ``request(data)`` is true; pass that on, then nothing: the server runs it, its answer is held."""
+        self.freezes_after = request
+        thaw = threading.Timer(most, self.flowing.set)
+        thaw.start()
+        try:
+            yield
+        finally:
+            self.freezes_after = None
             thaw.cancel()
             self.flowing.set()
 

@@ -74,6 +74,25 @@ def take(name, alias, wait=0):
     return True
 
 
+def take_side(name, alias, mode, wait=0):
+    """Acquire and release side ``mode`` of read-write lock ``name`` in the calling thread; return whether acquired."""
+    side = getattr(distlocks.read_write_lock(name, using=alias, renew=False), mode)()
+    if not side.acquire(wait=wait):
+        return False
+    side.release()
+    return True
+
+
+def is_commit(data):
+    """Whether a client's ``data`` is a COMMIT: mysqlclient's COM_QUERY packet, psycopg's Query message (NUL-ended)."""
+    return data.rstrip(b"\x00").upper().endswith(b"COMMIT")
+
+
+def voids_pending(name):
+    """The voids of this process's lost acquires of ``name`` not yet done."""
+    return [where for where in list(voids._pending) if name in where[1]]
+
+
 def held_row(alias, key):
     return next(info for info in locks[alias].held() if info.key == key)
 
@@ -313,6 +332,57 @@ def test_a_lost_acquire_leaves_the_hold_of_another_copy_of_the_same_task(alias, 
         done.set()
         thread.join(30)
     assert released == [True]
+
+
+# The sides of a read-write lock: a hold of either keeps the other out.
+OTHER_SIDE = {"read": "write", "write": "read"}
+
+
+@servers
+@pytest.mark.parametrize("mode", ["read", "write"])
+def test_a_read_write_side_whose_acquire_answer_was_lost_does_not_keep_the_lock_for_its_ttl(alias, name, mode):
+    # A side's acquire is a transaction: frozen before its COMMIT, the server rolls it back when the client
+    # gives up. So the proxy freezes once the COMMIT has gone on: the server takes the side, the client never hears.
+    with behind_proxy(alias) as proxy:
+        side = getattr(distlocks.read_write_lock(name, using="proxied", ttl=30), mode)()
+        assert side.acquire(wait=0)
+        token = side.token
+        side.release()
+        with proxy.frozen_after(is_commit, most=30):
+            outcome, seconds = timed(lambda: side.acquire(wait=0))
+        assert isinstance(outcome, distlocks.BackendUnavailable), outcome
+        assert seconds < 5
+        assert side.hold_count == 0
+        # Another owner gets the other side: a thread of this process voids the lost attempt once the server answers.
+        until(lambda: in_thread(lambda: take_side(name, alias, OTHER_SIDE[mode])), seconds=10)
+        with proxy.frozen_after(is_commit, most=30):
+            outcome, _ = timed(lambda: side.acquire(wait=0))
+        assert isinstance(outcome, distlocks.BackendUnavailable), outcome
+        # Its owner's next attempt voids it first, and no void is left to delete the new hold.
+        assert side.acquire(wait=0)
+        assert side.token > token
+        assert not voids_pending(name)
+        assert not in_thread(lambda: take_side(name, alias, OTHER_SIDE[mode]))
+        side.release()
+
+
+@servers
+def test_a_writer_recorded_waiting_by_an_attempt_whose_answer_was_lost_does_not_keep_new_readers_out(alias, name):
+    # A writer that waits is recorded on the server, and new readers wait for it. An acquire that raises deletes
+    # the record it knows of; one made by the attempt whose answer was lost would stay for its 30 s lease.
+    reader = Holder(name, lock=distlocks.read_write_lock(name, using=alias, ttl=30).read())
+    try:
+        with behind_proxy(alias) as proxy:
+            writer = distlocks.read_write_lock(name, using="proxied", ttl=30).write()
+            assert not writer.acquire(wait=0)  # not recorded (it does not wait); and its connection is open
+            with proxy.frozen_after(is_commit, most=30):
+                outcome, seconds = timed(lambda: writer.acquire(wait=10))
+            assert isinstance(outcome, distlocks.BackendUnavailable), outcome
+            assert seconds < 5
+            until(lambda: in_thread(lambda: take_side(name, alias, "read")), seconds=10)
+            until(lambda: not voids_pending(name))
+    finally:
+        assert reader.release() is None
 
 
 @pytest.mark.parametrize("alias", ["mariadb", "postgresql", *NATIVE_ALIASES], indirect=True)

@@ -23,9 +23,10 @@ from distlocks.signals import lock_lost
 from tests.conftest import DB, NATIVE_ALIASES, Holder
 from tests.faults import test_zookeeper
 from tests.faults.conftest import behind_proxy, free_elsewhere, frozen
-from tests.faults.test_db import table_locked
+from tests.faults.test_db import OTHER_SIDE, is_commit, table_locked, take_side
 from tests.faults.test_native import queued, until
 from tests.faults.test_zookeeper import own_aliases
+from tests.test_lock import in_thread
 
 pytestmark = DB
 zk_server = test_zookeeper.zk_server  # a ZooKeeper of the test's own, to freeze
@@ -144,6 +145,24 @@ def test_an_insert_interrupted_while_it_waits_for_the_lock_table_leaves_the_lock
         helper.join(30)
     table.close()
     assert free_elsewhere(name, alias), "the lock is held, for its ttl, by an owner told it did not get it"
+
+
+@pytest.mark.parametrize("alias", ["mariadb", "postgresql"], indirect=True)
+@pytest.mark.parametrize("mode", ["read", "write"])
+def test_a_read_write_side_interrupted_as_its_commit_is_answered_leaves_the_lock_free(alias, name, mode):
+    # The server commits the side's row while the answer waits in the frozen proxy; the handler raises then
+    # (during the wait, or as soon as the answer is in, once the proxy thaws): the caller is told it did not get it.
+    with behind_proxy(alias) as proxy:
+        side = getattr(distlocks.read_write_lock(name, using="proxied", ttl=60), mode)()
+        with side:
+            pass  # its connection is open
+        with raising_on(signal.SIGALRM), proxy.frozen_after(is_commit, most=30):
+            helper = interrupt_main_when(lambda: not proxy.flowing.is_set(), then=proxy.flowing.set)
+            with pytest.raises(Interrupted):
+                side.acquire(wait=0)
+            helper.join(30)
+        assert side.hold_count == 0
+        assert in_thread(lambda: take_side(name, alias, OTHER_SIDE[mode])), "held for its ttl, by nobody"
 
 
 def create_in_flight(alias):

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from django.core import checks
 from django.db import IntegrityError, connections
@@ -23,7 +23,7 @@ from distlocks.backends.db.config import database_address, missing_database, unm
 from distlocks.backends.db.connections import execute, in_memory
 from distlocks.backends.db.notify import batches, channel
 from distlocks.backends.db.queue import POLL_FIRST, POLL_MAX, QueuedBackend, sleep
-from distlocks.backends.db.statements import sql_for
+from distlocks.backends.db.statements import Statements, sql_for
 from distlocks.backends.sides import ReadWriteSide
 from distlocks.owner import Owner
 
@@ -48,7 +48,9 @@ class DatabaseSide(ReadWriteSide):
             sql = sql_for(connection)
             return rw.acquire(connection, sql.rw, sql.lease(ttl), lock, owner, self.mode, waits)
 
-        token = self.backend._run(attempt, when_busy=None)
+        # Voided by the lock's key, not the side's: the thread's next attempt at either side voids it first.
+        drop = [lock, self.mode, owner.secret]
+        token = self.backend._run_acquire(lock, owner, attempt, lambda sql: sql.rw.drop_attempt, drop)
         if token is None and waits:
             self.waiting(key, owner)
         return token
@@ -177,18 +179,33 @@ class DatabaseBackend(QueuedBackend):
                     return None
             return None
 
+        return self._run_acquire(key, owner, attempt, lambda sql: sql.drop_attempt, [key, owner.secret])
+
+    def _run_acquire(
+        self,
+        key: str,
+        owner: Owner,
+        attempt: Callable[[BaseDatabaseWrapper], int | None],
+        drop: Callable[[Statements], str],
+        where: list[Any],
+    ) -> int | None:
+        """Run ``owner``'s ``attempt`` at ``key`` (see ``_run_taking``): one whose answer was lost is voided once
+        the server answers, and first of all by the owner's next attempt at ``key``; one interrupted, at once.
+
+        Undoing it runs ``drop(statements)`` with ``where`` and the attempt's
+        thread and process and start: it deletes the row this attempt may have
+        inserted, and none that another attempt did, nor an older one.
+        """
         began = time.monotonic()
+        who = [owner.host[:255], owner.pid, owner.thread_label[:255]]
 
         def undo(connection: BaseDatabaseWrapper) -> None:
-            """Delete the row this attempt may have inserted (and none that another attempt did, nor an older one)."""
             sql = sql_for(connection)
-            since = sql.lease(began - time.monotonic() - _CLOCK_SLACK)
-            execute(connection, sql.drop_attempt, [key, owner.secret, *who, since])
+            execute(connection, drop(sql), [*where, *who, sql.lease(began - time.monotonic() - _CLOCK_SLACK)])
 
         def lost(session: int) -> None:
             voids.void(self.database, key, owner.secret, session, began, (self.connect_timeout, self.timeout), undo)
 
-        who = [owner.host[:255], owner.pid, owner.thread_label[:255]]
         voids.settle(self.database, key, owner.secret, self._run)
         return self._run_taking(attempt, undo, lost, began)
 

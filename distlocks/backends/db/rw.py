@@ -8,6 +8,8 @@ locks go on. Renewals and releases touch only the holder's own row.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from django.db import IntegrityError, transaction
@@ -20,7 +22,8 @@ from distlocks.owner import Owner
 class ReadWriteStatements:
     """The read-write lock statements in one database's SQL (``now`` and ``later`` as the lock's)."""
 
-    def __init__(self, connection: BaseDatabaseWrapper, now: str, later: str) -> None:
+    def __init__(self, connection: BaseDatabaseWrapper, now: str, later: str, attempt: str) -> None:
+        """``attempt``: the condition on the rows that an attempt may have inserted (``Statements.drop_attempt``)."""
         from distlocks.models import ReadWriteHold
 
         table = connection.ops.quote_name(ReadWriteHold._meta.db_table)
@@ -45,6 +48,12 @@ class ReadWriteStatements:
         )
         self.drop = f"DELETE FROM {table} WHERE lock_name = %s AND mode = %s AND owner_secret = %s"
         self.drop_mine = f"{self.drop} AND id = COALESCE(%s, id)"  # a hold, live or expired
+        # The hold, or the waiting writer's record, that an attempt at a side (the second parameter) may have
+        # inserted. A reader's inserts no record, and its thread's next attempt at the lock (a writer's, that
+        # may) voids the reader's first: what this deletes for a reader is its hold only.
+        self.drop_attempt = (
+            f"DELETE FROM {table} WHERE lock_name = %s AND mode IN (%s, 'waiting') AND owner_secret = %s AND {attempt}"
+        )
         self.reenter = f"UPDATE {table} SET hold_count = hold_count + 1, expires_at = {later} WHERE {mine}"
         self.extend = f"UPDATE {table} SET expires_at = {later} WHERE {mine}"
         self.release_last = f"DELETE FROM {table} WHERE {mine} AND hold_count <= 1"
@@ -77,7 +86,7 @@ def acquire(
 ) -> int | None:
     """One attempt at the ``mode`` side (see ``backends.sides.ReadWriteSide``); a writer that ``waits`` is recorded."""
     for _ in range(2):
-        with transaction.atomic(using=connection.alias):
+        with _transaction(connection):
             if execute(connection, sql.lock_gate, [key]):
                 execute(connection, sql.prune, [key, mode, owner.secret])
                 with connection.cursor() as cursor:
@@ -91,11 +100,39 @@ def acquire(
                     execute(connection, sql.drop, [key, "waiting", owner.secret])
                 return _insert(connection, sql, lease, key, owner, mode)
         try:
-            with transaction.atomic(using=connection.alias):
+            with _transaction(connection):
                 execute(connection, sql.add_gate, [key])
         except IntegrityError:
             pass  # added by another process meanwhile
     return None
+
+
+@contextlib.contextmanager
+def _transaction(connection: BaseDatabaseWrapper) -> Iterator[None]:
+    """One transaction on ``connection``: on a server, the lock connection's (in autocommit) own BEGIN and COMMIT.
+
+    Django's ``atomic()`` would, once its COMMIT failed or was interrupted,
+    turn autocommit back on: on a new connection (up to ``CONNECT_TIMEOUT``
+    more against a frozen server), or not at all on psycopg's, still busy
+    with the COMMIT, and raise that refusal instead of the interruption. The
+    COMMIT may have taken the side all the same: the caller (``_run_taking``)
+    must see what went wrong as it was. On SQLite there is no answer to lose,
+    and inside the caller's transaction ``atomic()`` makes a savepoint.
+    """
+    if connection.vendor == "sqlite":
+        with transaction.atomic(using=connection.alias):
+            yield
+        return
+    with connection.cursor() as cursor:
+        cursor.execute("BEGIN")
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(Exception), connection.cursor() as cursor:
+            cursor.execute("ROLLBACK")  # the session's end rolls back a connection that failed
+        raise
+    with connection.cursor() as cursor:
+        cursor.execute("COMMIT")
 
 
 def _insert(

@@ -107,13 +107,12 @@ class Statements:
         self.drop_mine = f"{owned} AND id = COALESCE(%s, id)"  # live or expired
         # The row an attempt of this thread of this process may have inserted since (the last parameter: a
         # negative lease) it began: not a hold of another with the same secret (a Celery task's copies).
-        self.drop_attempt = (
-            f"{owned} AND owner_host = %s AND owner_pid = %s AND owner_thread = %s AND acquired_at >= {later}"
-        )
+        attempt = f"owner_host = %s AND owner_pid = %s AND owner_thread = %s AND acquired_at >= {later}"
+        self.drop_attempt = f"{owned} AND {attempt}"
         self.force_release = f"DELETE FROM {table} WHERE lock_name = %s"
         # Compare and delete in one statement: the next holder's row has another id.
         self.force_release_token = f"DELETE FROM {table} WHERE lock_name = %s AND id = %s"
-        self.rw = ReadWriteStatements(connection, now, later)
+        self.rw = ReadWriteStatements(connection, now, later, attempt)
 
 
 def _sqlite_version(connection: BaseDatabaseWrapper) -> tuple[int, ...]:
