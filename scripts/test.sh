@@ -13,9 +13,18 @@ workers="${TEST_WORKERS:-4}"
 parallel=()
 [ "$workers" -gt 0 ] && parallel=(-n "$workers")
 logs=$(mktemp -d)
-trap 'print_times; tail -q -n 1 "$logs"/*.log 2>/dev/null' EXIT  # the passes' pytest summaries come last
+second_venv_job=""
+# The passes' pytest summaries come last.
+trap '[ -n "$second_venv_job" ] && kill "$second_venv_job" 2>/dev/null; print_times; tail -q -n 1 "$logs"/[0-9].log 2>/dev/null' EXIT
 
 timed apt_ensure pkg-config libmariadb-dev mariadb-client postgresql postgresql-client redis-server zookeeper chromium docker-compose pgbouncer galera-4
+# The second pass's virtualenv is made meanwhile (Python 3.10, Django 5.2 LTS): pip waits on the network and the disk.
+second_venv() {
+  export VENV=.venv-py310 PYTHON_LOWEST=3.10 PYTHON_HIGHEST=3.10
+  venv_install -r requirements-test.txt "Django==5.2.19" && venv_install --no-deps -r requirements-beat.txt
+}
+second_venv >"$logs/venv-py310.log" 2>&1 &
+second_venv_job=$!
 timed venv_install -r requirements.txt
 timed venv_install --no-deps -r requirements-beat.txt
 timed ensure_databases
@@ -30,7 +39,10 @@ if ! .venv/bin/python -c 'import sys; sys.exit(sys.version_info < (3, 12))'; the
   echo "That was Django 5.2 LTS on Python $(python_version .venv) already."
   exit 0
 fi
-VENV=.venv-py310 PYTHON_LOWEST=3.10 PYTHON_HIGHEST=3.10 timed venv_install -r requirements-test.txt "Django==5.2.19"
-VENV=.venv-py310 PYTHON_LOWEST=3.10 PYTHON_HIGHEST=3.10 timed venv_install --no-deps -r requirements-beat.txt
+if ! timed wait "$second_venv_job"; then
+  cat "$logs/venv-py310.log" >&2
+  exit 1
+fi
+second_venv_job=""
 echo "The same tests on Python $(python_version .venv-py310) with Django 5.2 LTS:"
 timed pass_log "$logs/2.log" .venv-py310/bin/pytest "${parallel[@]}" "$@"
