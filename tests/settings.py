@@ -63,6 +63,12 @@ CACHES: dict[str, dict[str, Any]] = {
         "LOCATION": redis_url(),
         "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 2, "SOCKET_TIMEOUT": 5},
     },
+    # The same Redis through Django's own Redis cache (it passes OPTIONS to redis-py: lower-case names).
+    "redis_django": {
+        "BACKEND": "django.core.cache.backends.redis.RedisCache",
+        "LOCATION": redis_url(),
+        "OPTIONS": {"socket_connect_timeout": 2, "socket_timeout": 5},
+    },
     # Nothing listens there: for BackendUnavailable.
     "redis_down": {
         "BACKEND": "django_redis.cache.RedisCache",
@@ -90,6 +96,7 @@ DISTLOCKS: dict[str, dict[str, Any]] = {
         "OPTIONS": {"DATABASE": "postgresql"},
     },
     "redis": {"BACKEND": "distlocks.backends.redis.RedisBackend", "OPTIONS": {"CACHE": "redis"}},
+    "redis_django": {"BACKEND": "distlocks.backends.redis.RedisBackend", "OPTIONS": {"CACHE": "redis_django"}},
     "redlock": {
         "BACKEND": "distlocks.backends.redlock.RedlockBackend",
         "OPTIONS": {"CACHES": [f"r{i}" for i in range(1, len(REDLOCK_PORTS) + 1)]},

@@ -10,12 +10,14 @@ import textwrap
 import time
 
 import pytest
+from django.core.cache.backends.redis import RedisCache, RedisCacheClient
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
 import distlocks
 from distlocks.checks import check_distlocks, unanswered, unknown_settings
 from distlocks.handler import BUILTIN_BACKENDS, locks
+from localservers import REDIS_PORT
 
 from .conftest import DB as DB_MARK
 
@@ -203,11 +205,11 @@ def test_a_misspelt_cache_leaves_redis_on_the_default_cache_which_is_reported_to
     [
         (
             {"BACKEND": REDIS, "LOCATION": "redis://127.0.0.1:6379/0", "OPTIONS": {"CACHE": "redis"}},
-            "OPTIONS['CACHE'] names the django-redis cache",
+            "OPTIONS['CACHE'] names the Redis cache",
         ),
         (
             {"BACKEND": REDLOCK, "LOCATION": "redis://h1/0", "OPTIONS": {"CACHES": ["r1", "r2", "r3"]}},
-            "OPTIONS['CACHES'] lists the django-redis caches",
+            "OPTIONS['CACHES'] lists the Redis caches",
         ),
         ({"BACKEND": DB, "LOCATION": "mariadb"}, "OPTIONS['DATABASE'] names the database"),
         (
@@ -244,12 +246,10 @@ def test_every_built_in_backend_declares_its_options_and_is_named_when_a_backend
     ("cache", "backend"),
     [
         ({"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}, REDIS),
-        # Django's own Redis cache: a Redis, but no django-redis client to lock with.
-        ({"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": "redis://127.0.0.1:1/0"}, REDIS),
         ({"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}, REDLOCK),
     ],
 )
-def test_a_cache_that_is_not_django_redis_is_an_error_not_a_server_down(settings, cache, backend):
+def test_a_cache_that_is_not_a_redis_cache_is_an_error_naming_both_not_a_server_down(settings, cache, backend):
     settings.CACHES = {**settings.CACHES, "loc": cache}
     options = {"CACHE": "loc"} if backend == REDIS else {"CACHES": ["r1", "r2", "loc"]}
     settings.DISTLOCKS = {"shop": {"BACKEND": backend, "OPTIONS": options}}
@@ -257,11 +257,97 @@ def test_a_cache_that_is_not_django_redis_is_an_error_not_a_server_down(settings
     alias = "shop" if backend == REDIS else "shop[loc]"
     assert message.id == "distlocks.E012"
     assert message.msg == (
-        f"DISTLOCKS[{alias!r}]: cache 'loc' is not a django-redis cache: its BACKEND is {cache['BACKEND']!r}."
+        f"DISTLOCKS[{alias!r}]: cache 'loc' is not a Redis cache (neither django-redis's nor Django's own): "
+        f"its BACKEND is {cache['BACKEND']!r}."
     )
     assert "django_redis.cache.RedisCache" in message.hint
-    with pytest.raises(ImproperlyConfigured, match="cache 'loc' is not a django-redis cache"):
+    assert "django.core.cache.backends.redis.RedisCache" in message.hint
+    with pytest.raises(ImproperlyConfigured, match="cache 'loc' is not a Redis cache"):
         distlocks.lock("x", using="shop").acquire(wait=0)
+
+
+class ShardingClient(RedisCacheClient):
+    """A cache client that picks a server by key: no one server holds the locks."""
+
+    def get_client(self, key=None, *, write=False):
+        return super().get_client(key, write=write)
+
+
+class ShardedRedisCache(RedisCache):
+    def __init__(self, server, params):
+        super().__init__(server, params)
+        self._class = ShardingClient
+
+
+DJANGO_REDIS_CACHE = "django.core.cache.backends.redis.RedisCache"
+
+
+def test_djangos_own_redis_cache_is_accepted_by_redis_and_redlock(settings):
+    location = f"redis://127.0.0.1:{REDIS_PORT}/0"
+    timeouts = {"socket_connect_timeout": 1, "socket_timeout": 2}
+    settings.CACHES = {
+        **settings.CACHES,
+        **{f"own{i}": {"BACKEND": DJANGO_REDIS_CACHE, "LOCATION": location, "OPTIONS": timeouts} for i in range(3)},
+    }
+    settings.DISTLOCKS = {
+        "shop": {"BACKEND": REDIS, "OPTIONS": {"CACHE": "own0"}},
+        "quorum": {"BACKEND": REDLOCK, "OPTIONS": {"CACHES": ["own0", "own1", "own2"]}},
+    }
+    assert check_distlocks() == []
+    with distlocks.lock("x", using="shop", wait=0) as lk:
+        assert lk.token > 0
+
+
+@pytest.mark.parametrize(
+    ("cache", "says"),
+    [
+        (
+            {"BACKEND": "tests.test_checks.ShardedRedisCache", "LOCATION": "redis://127.0.0.1:1/0"},
+            "is ambiguous: its cache client ShardingClient chooses the server itself",
+        ),
+        ({"BACKEND": DJANGO_REDIS_CACHE, "LOCATION": ""}, "names no Redis server"),
+        ({"BACKEND": DJANGO_REDIS_CACHE, "LOCATION": "redis://127.0.0.1:1/0;"}, "names no Redis server"),
+    ],
+)
+def test_a_django_redis_cache_without_one_server_to_lock_on_is_an_error(settings, cache, says):
+    settings.CACHES = {**settings.CACHES, "loc": cache}
+    settings.DISTLOCKS = {"shop": {"BACKEND": REDIS, "OPTIONS": {"CACHE": "loc"}}}
+    [message] = check_distlocks()  # no W004: not pinged
+    assert message.id == "distlocks.E012"
+    assert message.msg.startswith(f"DISTLOCKS['shop']: cache 'loc' {says}")
+    with pytest.raises(ImproperlyConfigured, match=f"cache 'loc' {says}"):
+        distlocks.lock("x", using="shop").acquire(wait=0)
+
+
+def test_check_warns_when_a_django_redis_cache_has_no_socket_timeouts_naming_them_as_it_takes_them(settings):
+    location = f"redis://127.0.0.1:{REDIS_PORT}/0"
+    settings.CACHES = {
+        **settings.CACHES,
+        "untimed": {"BACKEND": DJANGO_REDIS_CACHE, "LOCATION": location},
+        "timed": {"BACKEND": DJANGO_REDIS_CACHE, "LOCATION": location, "OPTIONS": {"socket_timeout": 5}},
+    }
+    settings.DISTLOCKS = {alias: {"BACKEND": REDIS, "OPTIONS": {"CACHE": alias}} for alias in ("untimed", "timed")}
+    warnings = {message.msg.split(" ")[0]: message for message in check_distlocks()}
+    assert {alias: message.id for alias, message in warnings.items()} == {
+        "DISTLOCKS['untimed']": "distlocks.W010",
+        "DISTLOCKS['timed']": "distlocks.W010",
+    }
+    assert "set no socket_connect_timeout and no socket_timeout:" in warnings["DISTLOCKS['untimed']"].msg
+    assert "set no socket_connect_timeout:" in warnings["DISTLOCKS['timed']"].msg
+    assert warnings["DISTLOCKS['timed']"].hint.startswith(
+        "Set OPTIONS['socket_connect_timeout'] and OPTIONS['socket_timeout'] (seconds"
+    )
+
+
+def test_djangos_redis_cache_without_redis_py_is_an_error_with_the_pip_command(settings, monkeypatch):
+    monkeypatch.setitem(sys.modules, "redis", None)
+    settings.DISTLOCKS = {"shop": {"BACKEND": REDIS, "OPTIONS": {"CACHE": "redis_django"}}}
+    [message] = check_distlocks()
+    assert (message.id, message.msg, message.hint) == (
+        "distlocks.E005",
+        "DISTLOCKS['shop'] needs redis-py.",
+        "pip install 'distlocks[redis]'",
+    )
 
 
 def test_the_demo_and_bench_settings_use_only_known_keys():

@@ -64,7 +64,7 @@ def test_list_table_when_nothing_is_held():
     [
         ("redis_down", "is unavailable"),
         # The test settings' "default" cache is a LocMemCache: no Redis to ask.
-        ("default", "cache 'default' is not a django-redis cache"),
+        ("default", "cache 'default' is not a Redis cache"),
     ],
 )
 def test_a_backend_that_is_down_is_reported_and_the_others_still_listed(name, settings, workers, cache, reason):

@@ -155,13 +155,13 @@ class _LateTakes:
 
 
 class RedlockBackend(BaseLockBackend):
-    """A lock held on a majority of independent Redis servers (django-redis cache aliases)."""
+    """A lock held on a majority of independent Redis servers (Redis cache aliases: django-redis or Django's own)."""
 
     max_key_length = RedisBackend.max_key_length
     cleanup_noun = RedisBackend.cleanup_noun
     option_names = ("CACHES",)
     location_instead = (
-        "OPTIONS['CACHES'] lists the django-redis caches (aliases of CACHES), one per Redis server: "
+        "OPTIONS['CACHES'] lists the Redis caches (aliases of CACHES: django-redis or Django's own), one per Redis server: "
         "set each server's URL as its cache's LOCATION."
     )
 
@@ -170,7 +170,7 @@ class RedlockBackend(BaseLockBackend):
         caches = self.options.get("CACHES")
         if not isinstance(caches, list | tuple) or len(caches) < 1 or not all(isinstance(c, str) for c in caches):
             raise ImproperlyConfigured(
-                f"DISTLOCKS[{alias!r}]['OPTIONS']['CACHES'] must be a list of django-redis cache aliases"
+                f"DISTLOCKS[{alias!r}]['OPTIONS']['CACHES'] must be a list of Redis cache aliases"
             )
         if len(set(caches)) != len(caches):
             raise ImproperlyConfigured(f"DISTLOCKS[{alias!r}]['OPTIONS']['CACHES'] names a cache twice")
@@ -232,7 +232,7 @@ class RedlockBackend(BaseLockBackend):
         round's deadline, if longer): BackendUnavailable if a majority did not answer.
         """
         cold = [index for index, node in enumerate(self.nodes) if node.cache not in connected]
-        for index in cold:  # every one: a cache that is no django-redis cache raises here, not only if it answers first
+        for index in cold:  # every one: a cache that is no Redis cache raises here, not only if it answers first
             self.nodes[index].client  # noqa: B018  (the imports and the client; their errors raise here)
         need = self.quorum - (len(self.nodes) - len(cold))
         if need <= 0:

@@ -1,4 +1,4 @@
-"""Redis lock backend on a django-redis cache alias.
+"""Redis lock backend on a Redis cache alias: django-redis's, or Django's own ``RedisCache`` (see ``caches``).
 
 Guarantees: every state change is one Lua script, so it is atomic on the
 server. A lock is a hash (owner secret, hold count, fencing token, owner

@@ -1,4 +1,4 @@
-"""The Redis lock backend: locks as Lua-managed hashes in the Redis of a django-redis cache alias."""
+"""The Redis lock backend: locks as Lua-managed hashes in the Redis of a cache alias (django-redis or Django's own)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,9 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from django.core import checks
-from django.core.exceptions import ImproperlyConfigured
 
 from distlocks.backends.base import AsyncPrimitives, AsyncTurn, BaseLockBackend, Granted, LockInfo
-from distlocks.backends.redis import listing, strays
+from distlocks.backends.redis import caches, listing, strays
 from distlocks.backends.redis.handover import Releases, Waiter, releases_for
 from distlocks.backends.redis.keys import (
     acquire_keys,
@@ -29,8 +28,6 @@ from distlocks.backends.redis.server import (
     eviction_policy,
     inspected,
     lease_ms,
-    not_django_redis,
-    sets_timeout,
     without_password,
 )
 from distlocks.backends.redis.side import RedisSide
@@ -49,14 +46,14 @@ def _info(owner: Owner) -> str:
 
 
 class RedisBackend(BaseLockBackend):
-    """Locks as Lua-managed hashes in the Redis of a django-redis cache alias."""
+    """Locks as Lua-managed hashes in the Redis of a cache alias: django-redis's, or Django's own RedisCache."""
 
     max_key_length = 1024
     cleanup_noun = "unused fencing counters"
     side_class = RedisSide
     option_names = ("CACHE",)
     location_instead = (
-        "OPTIONS['CACHE'] names the django-redis cache (an alias of CACHES, default 'default') "
+        "OPTIONS['CACHE'] names the Redis cache (an alias of CACHES, default 'default'; django-redis or Django's own) "
         "whose Redis holds the locks: set the Redis URL as that cache's LOCATION."
     )
 
@@ -73,21 +70,8 @@ class RedisBackend(BaseLockBackend):
 
     @property
     def client(self) -> Any:
-        """The redis-py client of the cache alias, on django-redis's connection pool."""
-        try:
-            from django_redis import get_redis_connection
-        except ImportError as exc:
-            raise ImproperlyConfigured(
-                f"DISTLOCKS[{self.alias!r}] needs django-redis: pip install 'distlocks[redis]'"
-            ) from exc
-        try:
-            return get_redis_connection(self.cache)
-        except NotImplementedError as exc:
-            raise ImproperlyConfigured(
-                f"DISTLOCKS[{self.alias!r}]: cache {self.cache!r} is not a django-redis cache"
-            ) from exc
-        except Exception as exc:  # InvalidCacheBackendError and friends
-            raise ImproperlyConfigured(f"DISTLOCKS[{self.alias!r}]: cache {self.cache!r}: {exc}") from exc
+        """The redis-py client of the cache alias: django-redis's, or the one Django's own RedisCache writes with."""
+        return caches.client_of(self.alias, self.cache)
 
     def unavailable(self, exc: Exception) -> BackendUnavailable:
         return BackendUnavailable(
@@ -358,9 +342,8 @@ class RedisBackend(BaseLockBackend):
         """The cache's LOCATION, with any password masked: it goes into messages and logs."""
         from django.conf import settings
 
-        location = settings.CACHES.get(self.cache, {}).get("LOCATION", self.cache)
-        urls = location if isinstance(location, list | tuple) else [location]
-        return ", ".join(without_password(str(url)) for url in urls)
+        urls = caches.addresses(settings.CACHES.get(self.cache), self.cache)
+        return ", ".join(without_password(url) for url in urls)
 
     def ping(self) -> list[checks.CheckMessage]:
         """Ask Redis for a PONG, and warn if its eviction policy can delete held locks."""
@@ -400,46 +383,4 @@ class RedisBackend(BaseLockBackend):
             logger.warning("%s %s", warning.msg, warning.hint)
 
     def check(self) -> list[checks.CheckMessage]:
-        from django.conf import settings
-
-        if self.cache not in settings.CACHES:
-            return [
-                checks.Error(
-                    f"DISTLOCKS[{self.alias!r}] uses cache {self.cache!r}, which is not in CACHES.",
-                    hint="Set OPTIONS['CACHE'] to a django-redis cache alias.",
-                    id="distlocks.E004",
-                )
-            ]
-        try:
-            import django_redis  # noqa: F401
-        except ImportError:
-            return [
-                checks.Error(
-                    f"DISTLOCKS[{self.alias!r}] needs django-redis.",
-                    hint="pip install 'distlocks[redis]'",
-                    id="distlocks.E005",
-                )
-            ]
-        not_redis = not_django_redis(settings.CACHES[self.cache])
-        if not_redis:
-            return [
-                checks.Error(
-                    f"DISTLOCKS[{self.alias!r}]: cache {self.cache!r} is not a django-redis cache: {not_redis}.",
-                    hint="Set OPTIONS['CACHE'] to an alias of CACHES whose BACKEND is django_redis.cache.RedisCache "
-                    "(Django's own django.core.cache.backends.redis.RedisCache gives no client to lock with).",
-                    id="distlocks.E012",
-                )
-            ]
-        missing = [name for name in TIMEOUTS if not sets_timeout(settings.CACHES[self.cache], name)]
-        if missing:
-            return [
-                checks.Warning(
-                    f"DISTLOCKS[{self.alias!r}] uses cache {self.cache!r}, whose OPTIONS set no "
-                    f"{' and no '.join(missing)}: a Redis that hangs stalls lock calls and lease renewals "
-                    "for redis-py's default (forever before redis-py 8).",
-                    hint="Set OPTIONS['SOCKET_CONNECT_TIMEOUT'] and OPTIONS['SOCKET_TIMEOUT'] (seconds, "
-                    "e.g. 2 and 5): they bound how long a Redis that does not answer makes a lock call wait.",
-                    id="distlocks.W010",
-                )
-            ]
-        return []
+        return caches.check(self.alias, self.cache, TIMEOUTS)

@@ -1,4 +1,4 @@
-"""What the Redis backend asks of a server and its cache's settings: errors, timeouts, eviction, address."""
+"""What the Redis backend asks of a server: errors, timeouts, eviction, address."""
 
 from __future__ import annotations
 
@@ -31,27 +31,6 @@ def driver_errors() -> tuple[type[Exception], ...]:
 
 #: The cache OPTIONS that bound how long a Redis that does not answer makes a call wait.
 TIMEOUTS = ("SOCKET_CONNECT_TIMEOUT", "SOCKET_TIMEOUT")
-
-
-def not_django_redis(cache: Any) -> str | None:
-    """Why the CACHES entry ``cache`` is not a django-redis cache, or None if it is (no I/O)."""
-    from django.utils.module_loading import import_string
-    from django_redis.cache import RedisCache
-
-    path = cache.get("BACKEND") if isinstance(cache, dict) else None
-    try:
-        backend_class = import_string(str(path))
-    except ImportError as exc:
-        return f"its BACKEND {path!r} cannot be imported ({exc})"
-    if isinstance(backend_class, type) and issubclass(backend_class, RedisCache):
-        return None
-    return f"its BACKEND is {path!r}"
-
-
-def sets_timeout(cache: dict[str, Any], name: str) -> bool:
-    """Whether a django-redis cache's settings set the timeout ``name`` (in OPTIONS, or its pool's kwargs)."""
-    options = cache.get("OPTIONS") or {}
-    return bool(options.get(name) or (options.get("CONNECTION_POOL_KWARGS") or {}).get(name.lower()))
 
 
 def without_password(url: str) -> str:
