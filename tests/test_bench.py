@@ -81,3 +81,22 @@ def test_db_benchmark_pins_postgresql_sessions(tmp_path):
     rows = run("db_locks.py", tmp_path, "db.json", *QUICK[:4], *arguments)
     assert [row["lock"] for row in rows] == ["floor", "django-db-mutex", "distlocks", "native"]
     assert all(row["median_us"] > 0 and "per_second" not in row for row in rows), rows
+
+
+def test_the_hot_path_profile_counts_each_backends_round_trips():
+    completed = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "hot_path.py"), "--cycles", "20", "--top", "3"]
+        + ["--backends", "default", "redis", "--url", f"redis://127.0.0.1:{REDIS_PORT}/15"],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    headings = [line for line in completed.stdout.splitlines() if line.startswith("== ")]
+    # One statement each for SQLite's acquire and release; one script each for Redis's.
+    assert [(line.split(":")[0], "2.0 round trips" in line) for line in headings] == [
+        ("== default", True),
+        ("== redis", True),
+    ], completed.stdout
