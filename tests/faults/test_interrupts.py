@@ -23,7 +23,7 @@ from distlocks.signals import lock_lost
 from tests.conftest import DB, NATIVE_ALIASES, Holder
 from tests.faults import test_zookeeper
 from tests.faults.conftest import behind_proxy, free_elsewhere, frozen
-from tests.faults.test_db import OTHER_SIDE, is_commit, table_locked, take_side
+from tests.faults.test_db import OTHER_SIDE, is_commit, table_locked, take_side, voids_pending
 from tests.faults.test_native import queued, until
 from tests.faults.test_zookeeper import own_aliases
 from tests.test_lock import in_thread
@@ -209,6 +209,25 @@ def test_an_acquire_interrupted_while_the_server_is_frozen_is_voided_once_it_ans
             helper.join(30)
         assert lk.hold_count == 0
         until(lambda: taken_elsewhere(kind, name, alias), seconds=10, what="another owner taking the lock")
+
+
+@pytest.mark.parametrize("alias", ["mariadb", "postgresql"], indirect=True)
+def test_an_acquire_interrupted_before_its_statement_was_sent_tries_nothing_more(alias, name):
+    # Interrupted while its new connection waits for a frozen server: nothing was sent, there is nothing to
+    # end, delete or void, and no second connection to wait for (CONNECT_TIMEOUT more, 2 s for libpq).
+    with behind_proxy(alias, CONNECT_TIMEOUT=1) as proxy:
+        lk = distlocks.lock(name, using="proxied", ttl=60)
+        accepted = len(proxy.sockets)
+        with raising_on(signal.SIGALRM), proxy.frozen(most=30):
+            helper = interrupt_main_when(lambda: len(proxy.sockets) > accepted)
+            started = time.monotonic()
+            with pytest.raises(Interrupted):
+                lk.acquire(wait=0)
+            # At most the connection it was in (MariaDB's client lets no signal cut it short: 1 s).
+            assert time.monotonic() - started < 1.6
+            helper.join(30)
+        assert not voids_pending(name)
+        assert free_elsewhere(name, alias)
 
 
 def create_in_flight(alias):
