@@ -386,8 +386,9 @@ class HandshakeOnlyProxy(FreezableProxy):
 
 
 @contextlib.contextmanager
-def behind_proxy(alias, proxy_class=FreezableProxy):
-    """Yield a ``proxy_class`` to the database of lock ``alias``, and lock alias "proxied" (TIMEOUT 1 s) through it.
+def behind_proxy(alias, proxy_class=FreezableProxy, **options):
+    """Yield a ``proxy_class`` to the database of lock ``alias``, and lock alias "proxied" (TIMEOUT 1 s, and any
+    other ``options`` of its ``OPTIONS``) through it.
 
     On the way out the Django connection "proxied" is forgotten too: a later
     use of the name must not reach this proxy's closed port.
@@ -396,7 +397,10 @@ def behind_proxy(alias, proxy_class=FreezableProxy):
     database_settings = dict(connections[database].settings_dict)
     proxy = proxy_class(int(database_settings["PORT"]))
     connections.settings["proxied"] = {**database_settings, "HOST": "127.0.0.1", "PORT": str(proxy.port)}
-    proxied = {"BACKEND": settings.DISTLOCKS[alias]["BACKEND"], "OPTIONS": {"DATABASE": "proxied", "TIMEOUT": 1}}
+    proxied = {
+        "BACKEND": settings.DISTLOCKS[alias]["BACKEND"],
+        "OPTIONS": {"DATABASE": "proxied", "TIMEOUT": 1, **options},
+    }
     try:
         with override_settings(DISTLOCKS={**settings.DISTLOCKS, "proxied": proxied}):
             yield proxy

@@ -23,7 +23,7 @@ from distlocks.signals import lock_lost
 from tests.conftest import DB, NATIVE_ALIASES, Holder
 from tests.faults import test_zookeeper
 from tests.faults.conftest import behind_proxy, free_elsewhere, frozen
-from tests.faults.test_db import OTHER_SIDE, is_commit, table_locked, take_side
+from tests.faults.test_db import OTHER_SIDE, is_commit, table_locked, take_side, voids_pending
 from tests.faults.test_native import queued, until
 from tests.faults.test_zookeeper import own_aliases
 from tests.test_lock import in_thread
@@ -163,6 +163,71 @@ def test_a_read_write_side_interrupted_as_its_commit_is_answered_leaves_the_lock
             helper.join(30)
         assert side.hold_count == 0
         assert in_thread(lambda: take_side(name, alias, OTHER_SIDE[mode])), "held for its ttl, by nobody"
+
+
+def is_lock_insert(data):
+    """Whether a client's ``data`` is the table backend's INSERT of a lock (its parameters in, client-side)."""
+    return b"INSERT INTO" in data and b"(lock_name, owner_host" in data
+
+
+# The request after which the server has taken the lock: a lock's INSERT (in autocommit), a side's COMMIT.
+TAKEN_BY = {"lock": is_lock_insert, "read": is_commit, "write": is_commit}
+
+
+def lock_of(kind, name, using, **options):
+    if kind == "lock":
+        return distlocks.lock(name, using=using, **options)
+    return getattr(distlocks.read_write_lock(name, using=using, **options), kind)()
+
+
+def taken_elsewhere(kind, name, alias):
+    """Whether another owner takes (and gives back) the lock, or a read-write lock's other side, at once."""
+    if kind == "lock":
+        return free_elsewhere(name, alias)
+    return in_thread(lambda: take_side(name, alias, OTHER_SIDE[kind]))
+
+
+@pytest.mark.parametrize("alias", ["mariadb", "postgresql"], indirect=True)
+@pytest.mark.parametrize("kind", ["lock", "read", "write"])
+def test_an_acquire_interrupted_while_the_server_is_frozen_is_voided_once_it_answers(alias, name, kind):
+    # The server takes the lock while the answer waits in the frozen proxy; the handler raises during that wait,
+    # and the proxy stays frozen while the interrupted acquire cleans up: it can neither end the session nor
+    # delete the row. Once the server answers again, the lock must be given back, not held for its ttl.
+    with behind_proxy(alias, CONNECT_TIMEOUT=1) as proxy:
+        lk = lock_of(kind, name, "proxied", ttl=60)
+        with lk:
+            pass  # its connection is open
+        with raising_on(signal.SIGALRM), proxy.frozen_after(TAKEN_BY[kind], most=30):
+            helper = interrupt_main_when(lambda: not proxy.flowing.is_set())
+            started = time.monotonic()
+            with pytest.raises(Interrupted):
+                lk.acquire(wait=0)
+            # As long as before: a read the signal does not cut short (MariaDB's: TIMEOUT + 1), and a connection
+            # to end the session on (CONNECT_TIMEOUT, 2 s at least for libpq); nothing more once that failed.
+            assert time.monotonic() - started < 5
+            assert not proxy.flowing.is_set(), "thawed before the interrupted acquire was over"
+            helper.join(30)
+        assert lk.hold_count == 0
+        until(lambda: taken_elsewhere(kind, name, alias), seconds=10, what="another owner taking the lock")
+
+
+@pytest.mark.parametrize("alias", ["mariadb", "postgresql"], indirect=True)
+def test_an_acquire_interrupted_before_its_statement_was_sent_tries_nothing_more(alias, name):
+    # Interrupted while its new connection waits for a frozen server: nothing was sent, there is nothing to
+    # end, delete or void, and no second connection to wait for (CONNECT_TIMEOUT more, 2 s for libpq).
+    with behind_proxy(alias, CONNECT_TIMEOUT=1) as proxy:
+        lk = distlocks.lock(name, using="proxied", ttl=60)
+        accepted = len(proxy.sockets)
+        with raising_on(signal.SIGALRM), proxy.frozen(most=30):
+            helper = interrupt_main_when(lambda: len(proxy.sockets) > accepted)
+            started = time.monotonic()
+            with pytest.raises(Interrupted):
+                lk.acquire(wait=0)
+            # At most the connection it was in (MariaDB's client lets no signal cut it short: 1 s).
+            assert time.monotonic() - started < 1.6
+            helper.join(30)
+        assert not voids_pending(name)
+        assert free_elsewhere(name, alias)
 
 
 def create_in_flight(alias):

@@ -341,7 +341,9 @@ class OwnConnectionBackend(BaseLockBackend):
         lock, or still be about to, for an owner who is told it did not: its
         session is ended (and waited for), then ``undo`` runs on a new one.
         One whose connection failed (``BackendUnavailable``) may run once the
-        server goes on: ``lost(session)`` has it voided then.
+        server goes on: ``lost(session)`` has it voided then; so is an
+        interrupted one whose session could not be ended, or ``undo`` run (a
+        frozen server), and the interruption goes on as soon as that failed.
         """
         using = self._using()
         sessions: list[int | None] = []
@@ -360,14 +362,24 @@ class OwnConnectionBackend(BaseLockBackend):
         except (DatabaseError, Unmigrated):  # the server answered: the statement ran, or will not
             raise
         except BaseException:
-            with contextlib.suppress(Exception):
-                if using == self._connection_alias:
+            # Nothing recorded: interrupted before the statement was sent, it took nothing. A session of None
+            # is SQLite's: nothing to end, nor to void by, and the statement is over; undo still runs.
+            session = sessions[-1] if sessions else None
+            undone = False
+            try:
+                with contextlib.suppress(Exception):
+                    if using == self._connection_alias:
+                        with contextlib.suppress(Exception):
+                            connections[using].close()
+                    if session is not None:
+                        self._run(lambda other: end_session(other, session, began, self.timeout))
+                    if sessions:
+                        self._run(undo)
+                    undone = True
+            finally:
+                if not undone and session is not None:
                     with contextlib.suppress(Exception):
-                        connections[using].close()
-                session = sessions[-1] if sessions else None
-                if session is not None:
-                    self._run(lambda other: end_session(other, session, began, self.timeout))
-                self._run(undo)
+                        lost(session)
             raise
 
     def _run(self, operation: Callable[[BaseDatabaseWrapper], T], *, when_busy: T | _Raise = RAISE) -> T:

@@ -2,14 +2,15 @@
 
 An ``INSERT`` of a lock (or the ``COMMIT`` of a read-write lock's side) sent
 on a connection that then failed (a frozen server or proxy, a dropped
-connection: ``BackendUnavailable``) may have run, or may still run once the
-server goes on, and take the lock for an owner that was told it did not get
-it: the row would hold the lock, renewed by nobody, for its ttl. So its
-session is ended, and waited for (nothing it was sent runs any more), and the
-owner's row of that lock deleted: by a thread of this process, again and again
-until the server answers, and first of all by the owner's own next attempt at
-that lock, which must neither find its leftover nor have its new row deleted
-by the void later.
+connection: ``BackendUnavailable``; or interrupted while the server did not
+answer, so that its session could not be ended then) may have run, or may
+still run once the server goes on, and take the lock for an owner that was
+told it did not get it: the row would hold the lock, renewed by nobody, for
+its ttl. So its session is ended, and waited for (nothing it was sent runs any
+more), and the owner's row of that lock deleted: by a thread of this process,
+again and again until the server answers, and first of all by the owner's own
+next attempt at that lock, which must neither find its leftover nor have its
+new row deleted by the void later.
 """
 
 from __future__ import annotations
