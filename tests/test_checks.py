@@ -58,6 +58,23 @@ def test_no_setting_means_the_database_on_default(settings):
             "DISTLOCKS['default']: OPTIONS['CONNECT_TIMEOUT'] must be",
         ),
         ({"default": {"BACKEND": DB, "OPTIONS": {"DATABASE": "nope"}}}, "distlocks.E003", "uses database 'nope'"),
+        *[
+            (
+                {"default": {"BACKEND": REDIS, "OPTIONS": {"CACHE": "redis", option: value}}},
+                "distlocks.E002",
+                f"DISTLOCKS['default']: OPTIONS[{option!r}] must be {says}",
+            )
+            for option, value, says in [
+                ("WAIT_REPLICAS", -1, "0 or more, not -1"),
+                ("WAIT_REPLICAS", 1.0, "an int (0 or more), not float"),
+                ("WAIT_REPLICAS", "1", "an int (0 or more), not str"),
+                ("WAIT_REPLICAS", True, "an int (0 or more), not bool"),
+                ("WAIT_TIMEOUT", 0, "a finite number of seconds greater than 0, not 0"),
+                ("WAIT_TIMEOUT", -0.05, "a finite number of seconds greater than 0, not -0.05"),
+                ("WAIT_TIMEOUT", float("inf"), "a finite number of seconds greater than 0, not inf"),
+                ("WAIT_TIMEOUT", "0.05", "a number of seconds, not str"),
+            ]
+        ],
     ],
 )
 def test_bad_settings_are_reported(settings, value, check_id, text):
@@ -77,6 +94,13 @@ def test_bad_settings_are_reported(settings, value, check_id, text):
 def test_bad_settings_raise_improperly_configured_on_use(settings, value):
     settings.DISTLOCKS = value
     with pytest.raises(ImproperlyConfigured, match="DISTLOCKS\\['default'\\]"):
+        distlocks.lock("x")
+
+
+@pytest.mark.parametrize(("option", "value"), [("WAIT_REPLICAS", -1), ("WAIT_REPLICAS", 0.5), ("WAIT_TIMEOUT", 0)])
+def test_bad_replica_acknowledgement_options_raise_at_once_naming_the_option(settings, option, value):
+    settings.DISTLOCKS = {"default": {"BACKEND": REDIS, "OPTIONS": {"CACHE": "redis", option: value}}}
+    with pytest.raises(ImproperlyConfigured, match=f"^DISTLOCKS\\['default'\\]: OPTIONS\\[{option!r}\\] must be"):
         distlocks.lock("x")
 
 

@@ -57,7 +57,7 @@ def test_cleanup_covers_every_alias_by_default():
         "postgresql_native: deleted 0 expired locks",
     ]
     assert re.fullmatch(r"redis: deleted \d+ unused fencing counters", lines[5])
-    assert re.fullmatch(r"redis_django: deleted \d+ unused fencing counters", lines[6])
+    assert re.fullmatch(r"redis_django: deleted \d+ unused fencing counters", lines[6])  # Django's own cache
     assert re.fullmatch(r"redlock: deleted \d+ unused fencing counters", lines[7])
     assert re.fullmatch(r"zookeeper: deleted \d+ empty lock nodes", lines[8])
     assert re.fullmatch(r"locmem: deleted \d+ expired locks", lines[9])

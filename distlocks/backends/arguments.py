@@ -41,6 +41,15 @@ def check_positive_number(value: Any, what: str) -> float:
     return float(value)
 
 
+def check_count(value: Any, what: str) -> int:
+    """Return ``value``, an int of 0 or more, or raise ValueError naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{what} must be an int (0 or more), not {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{what} must be 0 or more, not {value!r}")
+    return value
+
+
 def check_wait(wait: Any) -> float | None:
     """Return ``wait`` as seconds (None: forever), or raise ValueError."""
     if wait is None:

@@ -22,7 +22,9 @@ comes back stale (a restart from an RDB snapshot; a failover to a replica
 that lagged, as long as the replica's clock is not behind its old master's).
 A restart without persistence forgets held locks: their holders' next renewal
 fails (``LockLost``) and others can take the lock at once. With ``appendonly
-yes`` nothing is forgotten. ``force_release`` with a token compares and
+yes`` nothing is forgotten. A failover to a replica that lagged may forget one
+too; with ``WAIT_REPLICAS`` an acquisition counts only once that many replicas
+acknowledged it (``replicas``), which makes that less likely, not impossible. ``force_release`` with a token compares and
 deletes in one script: it never frees a later holder's lock.
 
 Locks need ``maxmemory-policy noeviction``, ideally on a Redis of their own:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from distlocks.backends.base import AsyncTurn
-from distlocks.backends.redis import strays
+from distlocks.backends.redis import replicas, strays
 from distlocks.backends.redis.aiowait import LoopReleases, RedisTurn, loop_releases
 from distlocks.backends.redis.keys import keys_of_lock, keys_of_read_write_lock, lock_hash
 from distlocks.backends.redis.protocol import QueuingBackend
@@ -36,11 +36,16 @@ class AsyncRedis:
     def _loop_client(self) -> LoopReleases:
         return loop_releases(self.server, lambda: self.backend.client)
 
-    async def _call(self, script: str, keys: Sequence[str], args: list[Any]) -> Any:
+    async def _call(self, script: str, keys: Sequence[str], args: list[Any], confirmed: bool = False) -> Any:
+        """Run ``script`` on the loop's client; ``confirmed`` as ``RedisBackend.call``'s."""
         client = self._loop_client().client
         try:
             if self.server not in inspected:
                 await self._inspect(client)
+            backend = self.backend
+            if confirmed and backend.wait_replicas and script in replicas.CONFIRMED:
+                scripts = registered(client)
+                return await replicas.acall(scripts[script], keys, args, backend.wait_replicas, backend.wait_timeout)
             return await registered(client)[script](keys=keys, args=args)
         except BaseException as exc:  # a cancelled task's too: its acquire may run yet, and is voided
             if strays.unanswered(exc, script, keys, args, lambda: self.backend.client):
@@ -58,14 +63,18 @@ class AsyncRedis:
         self.backend.inspected(policy)
 
     async def _run(self, attempt: Attempt) -> int | None:
-        """Run an attempt's script calls on the loop."""
-        result = None
+        """Run an attempt's script calls on the loop; a call that raised is thrown into it."""
+        answer: Any = None
+        error: BaseException | None = None
         while True:
             try:
-                call = attempt.send(result)
+                call = attempt.send(answer) if error is None else attempt.throw(error)
             except StopIteration as done:
                 return done.value
-            result = await self._call(*call)
+            try:
+                answer, error = await self._call(*call, confirmed=True), None
+            except BaseException as exc:  # a cancelled task's too: the attempt may give back what it took
+                error = exc
 
     async def try_acquire(self, key: str, owner: Owner, ttl: float, turn: AsyncTurn) -> int | None:
         redis_turn = cast(RedisTurn, turn)

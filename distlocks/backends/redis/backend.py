@@ -6,13 +6,15 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from typing import Any
 
 from django.core import checks
+from django.core.exceptions import ImproperlyConfigured
 
+from distlocks.backends.arguments import check_count, check_positive_number
 from distlocks.backends.base import AsyncPrimitives, AsyncTurn, BaseLockBackend, Granted, LockInfo
-from distlocks.backends.redis import caches, listing, strays
+from distlocks.backends.redis import caches, listing, replicas, strays
 from distlocks.backends.redis.handover import Releases, Waiter, releases_for
 from distlocks.backends.redis.keys import (
     acquire_keys,
@@ -21,7 +23,8 @@ from distlocks.backends.redis.keys import (
     lock_hash,
     rw_acquire_keys,
 )
-from distlocks.backends.redis.scripts import Attempt, ScriptCall, registered
+from distlocks.backends.redis.replicas import WAIT_TIMEOUT, Acked, value_of
+from distlocks.backends.redis.scripts import Attempt, HoldCalls, ScriptCall, registered
 from distlocks.backends.redis.server import (
     TIMEOUTS,
     driver_errors,
@@ -51,7 +54,7 @@ class RedisBackend(BaseLockBackend):
     max_key_length = 1024
     cleanup_noun = "unused fencing counters"
     side_class = RedisSide
-    option_names = ("CACHE",)
+    option_names = ("CACHE", "WAIT_REPLICAS", "WAIT_TIMEOUT")
     location_instead = (
         "OPTIONS['CACHE'] names the Redis cache (an alias of CACHES, default 'default'; django-redis or Django's own) "
         "whose Redis holds the locks: set the Redis URL as that cache's LOCATION."
@@ -60,6 +63,12 @@ class RedisBackend(BaseLockBackend):
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         super().__init__(alias, params)
         self.cache: str = self.options.get("CACHE", "default")
+        try:  # an acquisition counts once that many replicas acknowledge it (see ``replicas``)
+            self.wait_replicas = check_count(self.options.get("WAIT_REPLICAS", 0), "OPTIONS['WAIT_REPLICAS']")
+            timeout = self.options.get("WAIT_TIMEOUT", WAIT_TIMEOUT)
+            self.wait_timeout = check_positive_number(timeout, "OPTIONS['WAIT_TIMEOUT']")
+        except ValueError as exc:
+            raise ImproperlyConfigured(f"DISTLOCKS[{alias!r}]: {exc}") from exc
         # This thread's waits (instances are per thread): each key's waiter, and how long the last attempt said to wait.
         self._waiting: dict[str, Waiter] = {}
         self._wait_hint: dict[str, float] = {}
@@ -88,14 +97,20 @@ class RedisBackend(BaseLockBackend):
         except driver_errors() as exc:
             raise self.unavailable(exc) from exc
 
-    def call(self, script: str, keys: Sequence[str], args: list[Any]) -> Any:
-        """Run ``script``: the lock's hot path, so without a context manager and with the scripts kept."""
+    def call(self, script: str, keys: Sequence[str], args: list[Any], confirmed: bool = False) -> Any:
+        """Run ``script``: the lock's hot path, so without a context manager and with the scripts kept.
+
+        An attempt's call of a script that writes a hold is ``confirmed``: with
+        WAIT_REPLICAS, its answer is an ``Acked`` (``replicas.call``).
+        """
         scripts = self._client_scripts
         if scripts is None:
             client = self.client
             self._inspect(client)
             scripts = self._client_scripts = registered(client)
         try:
+            if confirmed and self.wait_replicas and script in replicas.CONFIRMED:
+                return replicas.call(scripts[script], keys, args, self.wait_replicas, self.wait_timeout)
             return scripts[script](keys=keys, args=args)
         except BaseException as exc:
             if strays.unanswered(exc, script, keys, args, lambda: self.client):  # an acquire is voided
@@ -114,15 +129,23 @@ class RedisBackend(BaseLockBackend):
 
     def attempt(self, key: str, owner: Owner, ttl: float, waiter: Waiter | None) -> Attempt:
         """The steps of one attempt at the lock ``key`` (see ``_attempt``)."""
-        renewal: ScriptCall = ("extend", [self._hash(key)], [owner.secret, lease_ms(ttl)])
-        return self._attempt("acquire", acquire_keys(key), [strays.attempt_id()], key, owner, ttl, waiter, renewal)
+        keys = acquire_keys(key)
+        calls = HoldCalls(
+            key, ("extend", [keys[0]], [owner.secret, lease_ms(ttl)]), ("release", keys[:3], [owner.secret])
+        )
+        return self._attempt("acquire", keys, [strays.attempt_id()], key, owner, ttl, waiter, calls)
 
     def run(self, attempt: Attempt) -> int | None:
-        """Run an attempt's script calls in the calling thread."""
+        """Run an attempt's script calls in the calling thread; a call that raised is thrown into it."""
         try:
             call = next(attempt)
             while True:
-                call = attempt.send(self.call(*call))
+                try:
+                    answer = self.call(*call, confirmed=True)
+                except BaseException as exc:
+                    call = attempt.throw(exc)
+                else:
+                    call = attempt.send(answer)
         except StopIteration as done:
             return done.value
 
@@ -135,16 +158,17 @@ class RedisBackend(BaseLockBackend):
         owner: Owner,
         ttl: float,
         waiter: Waiter | None,
-        renewal: ScriptCall,
+        calls: HoldCalls,
         mode: str = "",
     ) -> Attempt:
         """One attempt of a lock's or a read-write lock's side (``mode``): ``script`` with ``args`` and the owner's.
 
         A ``waiter`` queues when it does not get it, and takes what a release
         handed it. A failed attempt leaves the most to wait in ``_wait_hint[slot]``.
+        With WAIT_REPLICAS, a hold counts once confirmed (``_confirm``).
         """
         if waiter is not None and waiter.token:
-            return (yield from self._handed_over(waiter, ttl, renewal, waiter.token))
+            return (yield from self._handed_over(waiter, ttl, calls, waiter.token))
         lease = lease_ms(ttl)
         args += [owner.secret, lease, _info(owner)]
         if waiter is not None:
@@ -152,11 +176,13 @@ class RedisBackend(BaseLockBackend):
             if waiter.queued:
                 args.append("queued")
         sent = time.monotonic()
-        token = int((yield script, keys, args))
+        answer = yield script, keys, args
+        token = int(value_of(answer))
         if token > 0:
+            yield from self._confirm(answer, calls, token)
             # Taken now, or (a queued waiter) handed over by a release whose message it had not read.
             if waiter and waiter.queued:
-                return (yield from self._handed_over(waiter, ttl, renewal, token))
+                return (yield from self._handed_over(waiter, ttl, calls, token, confirmed=True))
             return token
         if waiter is not None and not waiter.queued:
             waiter.queued = True
@@ -164,7 +190,9 @@ class RedisBackend(BaseLockBackend):
         self._wait_hint[slot] = -token / 1000
         return None
 
-    def _handed_over(self, waiter: Waiter, ttl: float, renewal: ScriptCall, token: int) -> Attempt:
+    def _handed_over(
+        self, waiter: Waiter, ttl: float, calls: HoldCalls, token: int, confirmed: bool = False
+    ) -> Attempt:
         """Take a lock a release handed to ``waiter``, its lease counted from no later than the hand-over.
 
         The server began the lease at the hand-over, which came after the
@@ -173,17 +201,44 @@ class RedisBackend(BaseLockBackend):
         then, the lease never seems longer than the server keeps it. A waiter
         that queued less than a third of ``ttl`` ago has two thirds of it ahead
         so counted and takes the lock with no request (the common case). One
-        that waited longer renews it first (``renewal``), and its lease counts
+        that waited longer renews it first (``calls.renewal``), and its lease counts
         from this attempt, sent before the renewal: the lease may have run out
-        and the lock gone to someone else (then it queues again).
+        and the lock gone to someone else (then it queues again). With
+        WAIT_REPLICAS, a hand-over the waiter has not ``confirmed`` with a write
+        of its own is renewed too: the releaser's connection wrote it.
         """
         waiter.token = 0
-        if time.monotonic() - waiter.queued_at <= ttl / 3:
+        if (confirmed or not self.wait_replicas) and time.monotonic() - waiter.queued_at <= ttl / 3:
             return Granted(token, waiter.queued_at)
-        if (yield renewal):
+        script, keys, args = calls.renewal
+        answer = yield script, keys, [*args, token]
+        if value_of(answer):
+            yield from self._confirm(answer, calls, token)
             return token
         logger.info("A lock handed over to a waiter was gone when it woke: queueing again")
         return None
+
+    def _confirm(self, answer: Any, calls: HoldCalls, token: int) -> Generator[ScriptCall, Any, None]:
+        """Give back the hold ``token`` and raise BackendUnavailable if fewer replicas acknowledged it than asked.
+
+        A give-back that raises is made again once the server answers (``strays``).
+        """
+        if not isinstance(answer, Acked) or answer.replicas >= self.wait_replicas:
+            return
+        script, keys, args = calls.release
+        try:
+            yield script, keys, [*args, token]
+        except BaseException as exc:
+            forced = "rw_force_release" if script == "rw_release" else "force_release"
+            strays.release_later(lambda: self.client, keys, token, forced)
+            if not isinstance(exc, BackendUnavailable):
+                raise
+        raise BackendUnavailable(
+            f"Redis of cache {self.cache!r} ({self.address}) for locks on {self.alias!r}: {answer.replicas} of the "
+            f"{self.wait_replicas} replicas asked for (WAIT_REPLICAS) acknowledged the acquisition of {calls.key!r} "
+            f"within {self.wait_timeout:g}s (WAIT_TIMEOUT): it was given back",
+            alias=self.alias,
+        )
 
     def reenter(self, key: str, owner: Owner, ttl: float) -> bool:
         return bool(self.call("reenter", [self._hash(key)], [owner.secret, lease_ms(ttl)]))
@@ -299,9 +354,13 @@ class RedisBackend(BaseLockBackend):
     def rw_attempt(self, key: str, owner: Owner, ttl: float, mode: str, waiter: Waiter | None) -> Attempt:
         """One attempt at the ``mode`` side of the read-write lock ``key``, by ``waiter`` if it waits (see ``attempt``)."""
         keys = rw_acquire_keys(key)
-        renewal: ScriptCall = ("rw_renew", keys[:3], [owner.secret, lease_ms(ttl), mode, 0])
+        calls = HoldCalls(
+            key,
+            ("rw_renew", keys[:3], [owner.secret, lease_ms(ttl), mode, 0]),
+            ("rw_release", keys[:3], [owner.secret, mode]),
+        )
         args = [strays.attempt_id(), mode]
-        return self._attempt("rw_acquire", keys, args, keys[0], owner, ttl, waiter, renewal, mode)
+        return self._attempt("rw_acquire", keys, args, keys[0], owner, ttl, waiter, calls, mode)
 
     # -- inspection and maintenance --------------------------------------------
 

@@ -20,6 +20,8 @@ class QueuingBackend(Protocol):
     """What the backend's sides, a task's turn and the async primitives call on ``RedisBackend``."""
 
     cache: str
+    wait_replicas: int
+    wait_timeout: float
 
     @property
     def address(self) -> str: ...
@@ -31,7 +33,7 @@ class QueuingBackend(Protocol):
 
     def inspected(self, policy: str | None) -> None: ...
 
-    def call(self, script: str, keys: Sequence[str], args: list[Any]) -> Any: ...
+    def call(self, script: str, keys: Sequence[str], args: list[Any], confirmed: bool = False) -> Any: ...
 
     def attempt(self, key: str, owner: Owner, ttl: float, waiter: Waiter | None) -> Attempt: ...
 

@@ -140,12 +140,19 @@ if redis.call('ZSCORE', KEYS[4], ARGV[1]) then return -1 end
 local attempt, mode, secret, lease = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 -- Sent again (a retrying connection) after its answer was lost: say what its first run took.
 local mine = mode == 'write' and 'w' or 'r:' .. secret
+-- Written again, as the lock's ACQUIRE does: a WAIT after it then waits for the replicas to have the hold.
 if redis.call('HGET', KEYS[1], 'a' .. mine) == attempt then
+  local token
   if mode == 'write' and tonumber(redis.call('HGET', KEYS[1], 'we')) > now then
-    return tonumber(redis.call('HGET', KEYS[1], 'wt'))
+    token = redis.call('HGET', KEYS[1], 'wt')
+  else
+    local ends, read = string.match(redis.call('HGET', KEYS[1], mine) or '', '^(%d+) %d+ (%d+)')
+    if ends and tonumber(ends) > now then token = read end
   end
-  local ends, token = string.match(redis.call('HGET', KEYS[1], mine) or '', '^(%d+) %d+ (%d+)')
-  if ends and tonumber(ends) > now then return tonumber(token) end
+  if token then
+    redis.call('HSET', KEYS[1], 'a' .. mine, attempt)
+    return tonumber(token)
+  end
 end
 local queue = redis.call('EXISTS', KEYS[3]) == 1
 local w = writer()

@@ -16,14 +16,24 @@ cheaper).
 from __future__ import annotations
 
 from collections.abc import Generator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from distlocks.backends.redis.rwscripts import SCRIPTS as RW_SCRIPTS
 
 #: A script to run: its name, keys and arguments.
 ScriptCall = tuple[str, Sequence[str], list[Any]]
-#: An attempt with its script calls yielded: run in a thread (``RedisBackend._run``) or on the loop (``redis.aio``).
+#: An attempt with its script calls yielded: run in a thread (``RedisBackend.run``) or on the loop (``redis.aio``).
+#: A call that raised is thrown into it.
 Attempt = Generator[ScriptCall, Any, int | None]
+
+
+class HoldCalls(NamedTuple):
+    """What an attempt at ``key`` calls on a hold it got: its renewal and its release, each with the token appended."""
+
+    key: str
+    renewal: ScriptCall
+    release: ScriptCall
+
 
 # Give the lock to an owner: a new fencing token, one hold, the lease. The
 # token is never below the server's clock in microseconds, so that a counter
@@ -104,7 +114,12 @@ local lease_left = redis.call('PTTL', KEYS[1])
 if lease_left < 1 then lease_left = lease_left < 0 and 1000 or 1 end  -- no lease (set by hand): look again in 1 s
 local attempt, granted, token = unpack(redis.call('HMGET', KEYS[1], 'attempt', 'granted', 'token'))
 -- This attempt ran already (the client's driver sent it again when its answer was lost): what it took is its.
-if attempt == ARGV[1] then return tonumber(token) end
+-- Written again: a WAIT after it on this connection then waits for the replicas to have the lock too (a server
+-- counts the writes of each connection, and the first run was on another).
+if attempt == ARGV[1] then
+  redis.call('HSET', KEYS[1], 'attempt', ARGV[1])
+  return tonumber(token)
+end
 if not ARGV[5] then return -lease_left end
 if granted == string.match(ARGV[5], '^[^|]*|([^|]*)|') then
   -- Handed to this waiter by a release whose message it has not read yet.

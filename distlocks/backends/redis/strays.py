@@ -78,7 +78,7 @@ class Stray:
     @property
     def what(self) -> str:
         """What was lost, for the log."""
-        return "a release" if self.script == "force_release" else "an acquire"
+        return "a release" if self.script.endswith("force_release") else "an acquire"
 
 
 class Voids:
@@ -136,7 +136,7 @@ class Voids:
                 logger.warning("Could not undo %s of %s whose answer was lost: %s", stray.what, stray.keys[0], exc)
             else:
                 if released:
-                    how = "left held by" if stray.script == "force_release" else "taken by"
+                    how = "left held by" if stray.script.endswith("force_release") else "taken by"
                     logger.info("Gave back %s, %s %s whose answer was lost", stray.keys[0], how, stray.what)
             with self.lock:
                 if self.pending and self.pending[0] is stray:  # else dropped meanwhile (MAX_PENDING)
@@ -182,12 +182,13 @@ def unanswered(
     return driver_error
 
 
-def release_later(client: Callable[[], Any], keys: Sequence[str], token: int) -> None:
+def release_later(client: Callable[[], Any], keys: Sequence[str], token: int, script: str = "force_release") -> None:
     """A lock's last release raised (an interrupt, a server that did not answer): it may never have reached the
     server. Free that acquisition, by its ``token``, once the server answers, as a stray acquire is voided: a
-    release that did run meanwhile (or a lock taken anew, with a larger token) leaves it nothing to do."""
+    release that did run meanwhile (or a lock taken anew, with a larger token) leaves it nothing to do. A
+    read-write lock's side is freed by ``rw_force_release``."""
     try:
-        stray = Stray(client(), keys, [token], "force_release")
+        stray = Stray(client(), keys, [token], script)
     except Exception as exc:  # no client to release it on: its lease ends it
         logger.warning("Cannot release %s later: %s", keys[0], exc)
         return
