@@ -11,11 +11,11 @@ even a majority of nodes answers.
 
 Before its first timed round, an acquire connects this process to the nodes
 (``_connect``: the driver's imports, TCP, its handshake), waiting at most
-``CONNECT_SECONDS`` (or a tenth of the lease, if longer) and only until a
+``CONNECT_SECONDS`` (or a round's deadline, if longer) and only until a
 majority is connected; neither the rounds' deadline nor the lock's validity
 counts that time. The nodes are asked at once, each by a daemon thread of its own per process,
 and a call waits for a node at most a tenth of the lease
-(``NODE_DEADLINE_SHARE``), returning as soon as the answers settle it: a node
+(``NODE_DEADLINE_SHARE``; ``node_deadline``), returning as soon as the answers settle it: a node
 that hangs (a black hole: connections accepted, never answered) costs at most
 that, never its socket timeout, and delays no other node. The calls waiting
 for a node that hangs form a bounded backlog (``redlock_workers``: calls whose
@@ -68,8 +68,12 @@ from distlocks.owner import Owner
 
 #: How long a call waits for a node, as a share of the lease: a node that answers later counts as failing.
 NODE_DEADLINE_SHARE = 0.1
-#: How long an acquire waits at most for nodes this process has not connected to yet (or a tenth of the
-#: lease, if longer), before its timed round: connecting to a node that never answers costs this once.
+#: ... but at least this long (or a third of the lease, if shorter): on a loaded host a healthy node on
+#: the same machine can take tens of milliseconds to be heard, and a round ends as soon as a majority
+#: answered, so only a round that fails waits this long. The lock's validity counts the time all the same.
+MIN_NODE_DEADLINE = 0.2
+#: How long an acquire waits at most for nodes this process has not connected to yet (or a round's
+#: deadline, if longer), before its timed round: connecting to a node that never answers costs this once.
 CONNECT_SECONDS = 1.0
 #: How long ``ping`` waits for the nodes, and the inspection and maintenance calls.
 PING_SECONDS = 2.0
@@ -77,6 +81,11 @@ INSPECT_SECONDS = 10.0
 #: How far (µs) the token an acquire proposes runs ahead of this host's clock: the clock skew between
 #: this host and the nodes below which they all give the proposed token, with no second round.
 TOKEN_LEAD = 1_000_000
+
+
+def node_deadline(ttl: float) -> float:
+    """How long a round waits for a node, for a lease of ``ttl`` seconds."""
+    return max(ttl * NODE_DEADLINE_SHARE, min(MIN_NODE_DEADLINE, ttl / 3))
 
 
 def _settled(need: int) -> Callable[[list[Any]], bool]:
@@ -211,7 +220,7 @@ class RedlockBackend(BaseLockBackend):
         return answers
 
     def _deadline(self, ttl: float) -> float:
-        return ttl * NODE_DEADLINE_SHARE
+        return node_deadline(ttl)
 
     def _answered(self, answers: list[Any]) -> None:
         answered = sum(not isinstance(answer, Failed) for answer in answers)
@@ -223,7 +232,7 @@ class RedlockBackend(BaseLockBackend):
     def _connect(self, ttl: float) -> None:
         """Connect to the nodes this process has not reached yet, until a majority is connected, before a timed round.
 
-        A round's deadline (a tenth of the lease) and the lock's validity
+        A round's deadline (``node_deadline``) and the lock's validity
         count from when the takes are sent; connecting (in a new process, the
         driver's import: a quarter of a second) must count against neither.
         The clients are made here, in the calling thread (no I/O: redis-py

@@ -15,7 +15,7 @@ from django_redis import get_redis_connection
 import distlocks
 from distlocks.backends import redlock_workers
 from distlocks.backends.redis.keys import keys_of_lock
-from distlocks.backends.redlock import CONNECT_SECONDS, NODE_DEADLINE_SHARE
+from distlocks.backends.redlock import CONNECT_SECONDS, node_deadline
 from distlocks.handler import locks
 from distlocks.owner import current_owner
 from localservers import REDIS_PORT, RedisServer, answers
@@ -149,7 +149,7 @@ def test_a_failed_attempt_leaves_nothing_when_a_majority_answers_errors(nodes, n
 @LONG_SOCKET_TIMEOUT
 def test_two_black_holed_nodes_cost_at_most_a_deadline_not_a_socket_timeout(nodes, name):
     ttl = 2.0
-    deadline = ttl * NODE_DEADLINE_SHARE
+    deadline = node_deadline(ttl)
     slack = 1.0  # this machine is shared: far below the 10 s socket timeout all the same
     nodes.freeze(3, 4)
     lk = distlocks.lock(name, using="rl", ttl=ttl)
@@ -213,7 +213,7 @@ def test_takes_that_answer_after_the_deadline_of_a_failed_attempt_are_undone(nod
     started = time.monotonic()
     with pytest.raises(distlocks.BackendUnavailable, match="only 2 of 5 Redis nodes answer"):
         lk.acquire(wait=0)  # takes nodes 3 and 4 in time, gives them back
-    assert time.monotonic() - started < 2 * 2 * NODE_DEADLINE_SHARE + 1.0
+    assert time.monotonic() - started < 2 * node_deadline(2) + 1.0
     assert nodes.holding(lk.key) == set()
     nodes.thaw(0, 1, 2)  # the takes they buffered run now, late: each is undone when it answers
     _until(lambda: nodes.holding(lk.key) == set(), f"left behind on {nodes.holding(lk.key)}")
@@ -406,7 +406,7 @@ def test_a_frozen_majority_fails_the_acquire_in_bounded_time_and_leaves_no_stray
     started = time.monotonic()
     with pytest.raises(distlocks.BackendUnavailable, match="only 2 of 5 Redis nodes answer"):
         lk.acquire(wait=0)
-    assert time.monotonic() - started < 2 * ttl * NODE_DEADLINE_SHARE + 1.0
+    assert time.monotonic() - started < 2 * node_deadline(ttl) + 1.0
     assert nodes.holding(key) == set()  # what nodes 3 and 4 gave is given back
     thawed = time.monotonic()
     nodes.thaw(0, 1, 2)  # their buffered takes run now
@@ -461,7 +461,7 @@ def test_a_black_holed_nodes_backlog_stays_bounded_and_it_is_back_in_the_rounds_
         "rl": {**settings.DISTLOCKS["rl"], "OPTIONS": {"CACHES": [cache, "n2", "n3", "n4", "n5"]}},
     }
     backend = locks["rl"]
-    deadline = 1 * NODE_DEADLINE_SHARE  # the rounds' deadline at ttl 1
+    deadline = node_deadline(1)  # the rounds' deadline at ttl 1
     try:
         before = _cycles(name, 1.0, pace)
         sizes = []
