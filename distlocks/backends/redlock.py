@@ -68,9 +68,8 @@ from distlocks.owner import Owner
 
 #: How long a call waits for a node, as a share of the lease: a node that answers later counts as failing.
 NODE_DEADLINE_SHARE = 0.1
-#: ... but at least this long (or a third of the lease, if shorter): on a loaded host a healthy node on
-#: the same machine can take tens of milliseconds to be heard, and a round ends as soon as a majority
-#: answered, so only a round that fails waits this long. The lock's validity counts the time all the same.
+#: ... but at least this long (or a third of a shorter lease): a loaded host may take tens of ms to hear a
+#: healthy node, and a round ends once a majority answered (the validity counts the time all the same).
 MIN_NODE_DEADLINE = 0.2
 #: How long an acquire waits at most for nodes this process has not connected to yet (or a round's
 #: deadline, if longer), before its timed round: connecting to a node that never answers costs this once.
@@ -83,8 +82,7 @@ INSPECT_SECONDS = 10.0
 TOKEN_LEAD = 1_000_000
 
 
-def node_deadline(ttl: float) -> float:
-    """How long a round waits for a node, for a lease of ``ttl`` seconds."""
+def node_deadline(ttl: float) -> float:  # how long a round waits for a node, for a lease of ``ttl`` seconds
     return max(ttl * NODE_DEADLINE_SHARE, min(MIN_NODE_DEADLINE, ttl / 3))
 
 
@@ -219,9 +217,6 @@ class RedlockBackend(BaseLockBackend):
                 raise answer.error
         return answers
 
-    def _deadline(self, ttl: float) -> float:
-        return node_deadline(ttl)
-
     def _answered(self, answers: list[Any]) -> None:
         answered = sum(not isinstance(answer, Failed) for answer in answers)
         if answered < self.quorum:
@@ -249,7 +244,7 @@ class RedlockBackend(BaseLockBackend):
         answers: list[Any] = [True] * len(self.nodes)  # in the nodes' order, as _answered names them
         for index, answer in zip(
             cold,
-            self._ask(_connect, max(CONNECT_SECONDS, self._deadline(ttl)), _settled(need), nodes=cold),
+            self._ask(_connect, max(CONNECT_SECONDS, node_deadline(ttl)), _settled(need), nodes=cold),
             strict=True,
         ):
             answers[index] = answer
@@ -280,7 +275,7 @@ class RedlockBackend(BaseLockBackend):
 
     def _try_acquire(self, key: str, owner: Owner, ttl: float, late: _LateTakes) -> int | None:
         started = time.monotonic()
-        deadline = self._deadline(ttl)
+        deadline = node_deadline(ttl)
         # Proposing a token above every node's clock (by up to a second of skew)
         # makes the nodes give the same one, and the second round is not needed.
         least = time.time_ns() // 1000 + TOKEN_LEAD
@@ -367,7 +362,7 @@ class RedlockBackend(BaseLockBackend):
     def _majority(
         self, call: Callable[[RedisBackend], bool], ttl: float, key: str, always: bool = False, lease: float = 0.0
     ) -> bool:
-        answers = self._ask(call, self._deadline(ttl), _settled(self.quorum), always=always, key=key, lease=lease)
+        answers = self._ask(call, node_deadline(ttl), _settled(self.quorum), always=always, key=key, lease=lease)
         if sum(bool(answer) for answer in answers) >= self.quorum:
             return True
         self._answered(answers)
