@@ -1,0 +1,199 @@
+"""The Redis backend on a Redis Cluster (``OPTIONS["CLUSTER"]``): every kind, on every primary, with waiters anywhere.
+
+The fixture ``redis_cluster`` starts three primaries and a replica each
+(``localservers.ClusterServers``), once per test session; lock alias "cluster".
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import pytest
+import redis
+from django.core.exceptions import ImproperlyConfigured
+
+import distlocks
+from distlocks.backends.redis.keys import keys_of_lock, lock_hash
+from distlocks.checks import check_distlocks
+
+from .conftest import DB, guarded_events, on_each_primary, wait_until
+
+pytestmark = [DB, pytest.mark.servers("cluster"), pytest.mark.usefixtures("cluster_alias")]
+
+ALIAS = "cluster"
+REDIS = "distlocks.backends.redis.RedisBackend"
+
+
+def taken_elsewhere(lock):
+    """Whether another thread (another owner) fails to take ``lock`` at once (it gives back what it took)."""
+    got = []
+
+    def take():
+        got.append(lock.acquire(wait=0))
+        if got[0]:
+            lock.release()
+
+    thread = threading.Thread(target=take)
+    thread.start()
+    thread.join(30)
+    return got == [False]
+
+
+def test_a_lock_on_each_primary_has_one_holder_and_growing_tokens(redis_cluster, name):
+    names = on_each_primary(redis_cluster, name)
+    assert len(names) == 3
+    for port, lock_name in names.items():
+        lk = distlocks.lock(lock_name, using=ALIAS)
+        assert lk.acquire(wait=0)
+        first = lk.token
+        node = redis.Redis(port=port)
+        assert node.hget(lock_hash(lk.key), "token") == str(first).encode()  # on the primary of its slot
+        assert taken_elsewhere(distlocks.lock(lock_name, using=ALIAS))
+        assert lk.acquire(wait=0)  # re-entered
+        lk.release()
+        assert taken_elsewhere(distlocks.lock(lock_name, using=ALIAS))
+        lk.release()
+        assert not node.exists(lock_hash(lk.key))
+        with distlocks.lock(lock_name, using=ALIAS, wait=0) as other:
+            assert other.token > first
+        with pytest.raises(distlocks.LockNotOwned):
+            lk.release()
+
+
+@pytest.mark.parametrize(
+    ("options", "text"),
+    [
+        ({"CLUSTER": "127.0.0.1:7000"}, "['OPTIONS']['CLUSTER'] must be a list of seed nodes"),
+        ({"CLUSTER": []}, "['OPTIONS']['CLUSTER'] must be a list of seed nodes"),
+        ({"CLUSTER": ["127.0.0.1"]}, "['OPTIONS']['CLUSTER'] has '127.0.0.1', which is not \"host:port\""),
+        ({"CLUSTER": ["127.0.0.1:70000"]}, "['OPTIONS']['CLUSTER'] has '127.0.0.1:70000'"),
+        ({"CLUSTER": [("127.0.0.1", 7000)]}, "['OPTIONS']['CLUSTER'] has ('127.0.0.1', 7000)"),
+        ({"CLUSTER": ["127.0.0.1:7000"], "CACHE": "redis"}, "['OPTIONS'] sets both CACHE and CLUSTER"),
+        ({"CLUSTER_OPTIONS": {"password": "x"}}, "['OPTIONS'] sets CLUSTER_OPTIONS without CLUSTER"),
+        (
+            {"CLUSTER": ["127.0.0.1:7000"], "CLUSTER_OPTIONS": ["password"]},
+            "['OPTIONS']['CLUSTER_OPTIONS'] must be a dict",
+        ),
+    ],
+)
+def test_a_bad_cluster_option_is_an_error_naming_it(settings, options, text):
+    settings.DISTLOCKS = {"bad": {"BACKEND": REDIS, "OPTIONS": options}}
+    [message] = check_distlocks()
+    assert message.id == "distlocks.E002"
+    assert f"DISTLOCKS['bad']{text}" in message.msg
+    started = time.monotonic()
+    with pytest.raises(ImproperlyConfigured, match=re.escape(text)):
+        distlocks.lock("x", using="bad").acquire(wait=0)
+    assert time.monotonic() - started < 1  # at once, not at a connection's timeout
+
+
+def test_an_unknown_redis_py_option_is_named(settings):
+    settings.DISTLOCKS = {
+        "bad": {"BACKEND": REDIS, "OPTIONS": {"CLUSTER": ["127.0.0.1:1"], "CLUSTER_OPTIONS": {"pasword": "x"}}}
+    }
+    text = (
+        "DISTLOCKS['bad']['OPTIONS']['CLUSTER_OPTIONS'] has 'pasword', which the backend cannot pass to RedisCluster."
+    )
+    assert [(m.id, m.msg) for m in check_distlocks()] == [("distlocks.E002", f"{text} Did you mean 'password'?")]
+    with pytest.raises(ImproperlyConfigured, match=re.escape(text)):
+        distlocks.lock("x", using="bad").acquire(wait=0)
+
+
+def test_a_cluster_that_does_not_answer_is_backend_unavailable(settings):
+    settings.DISTLOCKS = {"down": {"BACKEND": REDIS, "OPTIONS": {"CLUSTER": ["127.0.0.1:1", "127.0.0.1:2"]}}}
+    started = time.monotonic()
+    with pytest.raises(
+        distlocks.BackendUnavailable, match=r"Redis cluster 127.0.0.1:1, 127.0.0.1:2 for locks on 'down'"
+    ):
+        distlocks.lock("x", using="down").acquire(wait=0)
+    assert time.monotonic() - started < 5
+    [warning] = check_distlocks()
+    assert warning.id == "distlocks.W004"
+
+
+def test_a_waiter_is_handed_the_lock_at_the_release_on_each_primary(redis_cluster, name):
+    for lock_name in on_each_primary(redis_cluster, name).values():
+        holder = distlocks.lock(lock_name, using=ALIAS, ttl=30)
+        holder.acquire()
+        held = holder.token
+        got = {}
+
+        def wait_for_it(lock_name=lock_name, got=got):
+            with distlocks.lock(lock_name, using=ALIAS, wait=20) as lk:
+                got["at"], got["token"] = time.monotonic(), lk.token
+
+        thread = threading.Thread(target=wait_for_it)
+        thread.start()
+        time.sleep(0.3)  # queued by now
+        released = time.monotonic()
+        holder.release()
+        thread.join(20)
+        assert got["token"] > held
+        assert got["at"] - released < 0.1
+
+
+def handovers(log):
+    """The holds in ``log`` (checked: one holder at a time, growing tokens), and the longest wait between a release
+    and the next entry."""
+    events = guarded_events(log)
+    exits = [float(e[2]) for e in events if e[0] == "exit"]
+    enters = [float(e[2]) for e in events if e[0] == "enter"]
+    return len(enters), max(enter - left for left, enter in zip(exits, enters[1:], strict=False))
+
+
+@pytest.mark.parametrize("alias", [ALIAS], indirect=True)
+def test_processes_contending_on_every_primary_never_hold_together(alias, redis_cluster, name, workers, tmp_path):
+    logs = {port: tmp_path / f"{port}.log" for port in on_each_primary(redis_cluster, name)}
+    names = on_each_primary(redis_cluster, name)
+    running = [workers("locked", ALIAS, names[port], 1.5, log) for port, log in logs.items() for _ in range(2)]
+    for worker in running:
+        done, taken, timeouts = worker.finish()
+        assert (done, int(timeouts)) == ("done", 0)
+        assert int(taken) > 10
+    for log in logs.values():
+        entries, longest = handovers(log)
+        assert entries > 20
+        assert longest < 2  # the lease is 30 s: each release handed the lock on at once
+
+
+def test_tasks_and_threads_of_two_processes_take_turns_on_the_cluster(redis_cluster, name, workers, tmp_path):
+    names = on_each_primary(redis_cluster, name)
+    for lock_name in names.values():
+        path = tmp_path / lock_name
+        path.write_text("0")
+        running = [workers("async_counter", ALIAS, lock_name, path, 3, 10, 2) for _ in range(2)]
+        assert [worker.finish() for worker in running] == [["done"], ["done"]]
+        assert path.read_text() == "60"  # 2 processes x 3 tasks x 10 rounds, no update lost
+
+
+def test_a_hand_over_is_taken_only_once_the_locks_primary_confirms_it(redis_cluster, name):
+    # A message that no release sent (as a release that miscounted its listeners would leave one) wakes the
+    # waiter, which asks the lock's primary and finds the lock still held.
+    holder = distlocks.lock(name, using=ALIAS, ttl=30)
+    holder.acquire()
+    held = holder.token
+    hash_name, queue = lock_hash(holder.key), keys_of_lock(holder.key)[2]
+    primary = redis.Redis(port=redis_cluster.primary_of(hash_name).port)
+    got = {}
+
+    def wait_for_it():
+        with distlocks.lock(name, using=ALIAS, wait=20) as lk:
+            got["at"], got["token"] = time.monotonic(), lk.token
+
+    thread = threading.Thread(target=wait_for_it)
+    thread.start()
+    wait_until(lambda: primary.zcard(queue) == 1)
+    [entry] = primary.zrange(queue, 0, 0)
+    channel, waiter_id = entry.decode().split("|")[:2]
+    assert channel.startswith(":w:")  # the lock's hash goes before it: a sharded channel in the lock's slot
+    assert primary.spublish(hash_name + channel, f"{held + 1} {waiter_id} {hash_name}") == 1  # it listens there
+    time.sleep(0.3)
+    assert got == {}
+    assert primary.zcard(queue) == 1  # it is still queued
+    released = time.monotonic()
+    holder.release()
+    thread.join(20)
+    assert got["token"] > held + 1
+    assert released < got["at"] < released + 0.1
