@@ -19,6 +19,8 @@ from distlocks.backends.redis.keys import keys_of_lock, lock_hash
 from distlocks.checks import check_distlocks
 
 from .conftest import DB, guarded_events, on_each_primary, wait_until
+from .test_read_write import intervals, overlaps
+from .test_semaphore import concurrency
 
 pytestmark = [DB, pytest.mark.servers("cluster"), pytest.mark.usefixtures("cluster_alias")]
 
@@ -114,10 +116,11 @@ def test_a_cluster_that_does_not_answer_is_backend_unavailable(settings):
 
 
 def test_a_waiter_is_handed_the_lock_at_the_release_on_each_primary(redis_cluster, name):
-    for lock_name in on_each_primary(redis_cluster, name).values():
+    for port, lock_name in on_each_primary(redis_cluster, name).items():
         holder = distlocks.lock(lock_name, using=ALIAS, ttl=30)
         holder.acquire()
         held = holder.token
+        queue = keys_of_lock(holder.key)[2]
         got = {}
 
         def wait_for_it(lock_name=lock_name, got=got):
@@ -126,12 +129,12 @@ def test_a_waiter_is_handed_the_lock_at_the_release_on_each_primary(redis_cluste
 
         thread = threading.Thread(target=wait_for_it)
         thread.start()
-        time.sleep(0.3)  # queued by now
+        wait_until(lambda queue=queue, port=port: redis.Redis(port=port).zcard(queue) == 1)
         released = time.monotonic()
         holder.release()
         thread.join(20)
         assert got["token"] > held
-        assert got["at"] - released < 0.1
+        assert got["at"] - released < 0.5  # told at the release: its lease was 30 s
 
 
 def handovers(log):
@@ -151,11 +154,13 @@ def test_processes_contending_on_every_primary_never_hold_together(alias, redis_
     for worker in running:
         done, taken, timeouts = worker.finish()
         assert (done, int(timeouts)) == ("done", 0)
-        assert int(taken) > 10
+        assert int(taken) > 0
     for log in logs.values():
         entries, longest = handovers(log)
-        assert entries > 20
-        assert longest < 2  # the lease is 30 s: each release handed the lock on at once
+        assert entries > 10
+        # A waiter that missed its hand-over would wait for the 30 s lease (its acquire gives up after 10 s);
+        # here each release handed the lock on at once (a few seconds: a process the machine stalled).
+        assert longest < 5
 
 
 def test_tasks_and_threads_of_two_processes_take_turns_on_the_cluster(redis_cluster, name, workers, tmp_path):
@@ -196,4 +201,73 @@ def test_a_hand_over_is_taken_only_once_the_locks_primary_confirms_it(redis_clus
     holder.release()
     thread.join(20)
     assert got["token"] > held + 1
-    assert released < got["at"] < released + 0.1
+    assert released < got["at"] < released + 0.5
+
+
+@pytest.mark.parametrize("alias", [ALIAS], indirect=True)
+def test_a_writer_excludes_readers_and_writers_across_processes(alias, leave_nothing, name, workers, tmp_path):
+    log = tmp_path / "events"
+    running = [workers("rw_guarded", ALIAS, name, "write", 1.5, 0.01, log) for _ in range(2)]
+    running += [workers("rw_guarded", ALIAS, name, "read", 1.5, 0.02, log) for _ in range(2)]
+    results = [worker.finish() for worker in running]
+    held = intervals(log)
+    assert [pair for pair in overlaps(held) if "write" in (pair[0][2], pair[1][2])] == []
+    writes = [token for _, _, mode, _, token in held if mode == "write"]
+    assert writes == sorted(writes)
+    assert len(set(writes)) == len(writes) > 10
+    for done, taken, timeouts in results:
+        assert (done, int(timeouts)) == ("done", 0)
+        assert int(taken) > 0
+    folder = tmp_path / "inside"
+    folder.mkdir()
+    readers = [workers("read_together", ALIAS, name, 3, folder) for _ in range(3)]
+    assert [reader.finish() for reader in readers] == [["together"]] * 3
+
+
+@pytest.mark.parametrize("alias", [ALIAS], indirect=True)
+def test_never_more_than_permits_processes_inside(alias, leave_nothing, name, workers, tmp_path):
+    log = tmp_path / "events"
+    running = [workers("permits", ALIAS, name, 2, 1.5, log) for _ in range(3)]
+    results = [worker.finish() for worker in running]
+    most, entries = concurrency(log)
+    assert most == 2
+    assert len(entries) == 3
+    for done, taken, timeouts in results:
+        assert (done, int(timeouts)) == ("done", 0)
+        assert int(taken) > 0
+
+
+@pytest.mark.parametrize("alias", [ALIAS], indirect=True)
+def test_a_multi_lock_across_primaries_is_all_or_none_and_never_deadlocks(
+    alias, leave_nothing, redis_cluster, name, workers, tmp_path
+):
+    a, b, c = sorted(on_each_primary(redis_cluster, name).values())  # one member on each primary
+    log = tmp_path / "events"
+    # The two sets share b and c, named in opposite orders: each set is taken in sorted order.
+    running = [workers("multi", ALIAS, f"{a},{b},{c}", 1.5, log), workers("multi", ALIAS, f"{c},{b}", 1.5, log)]
+    for worker in running:
+        done, taken, timeouts = worker.finish()
+        assert (done, int(timeouts)) == ("done", 0)
+        assert int(taken) > 0
+    events = guarded_events(log)  # c, in both sets: one holder at a time, tokens growing
+    assert {event[1] for event in events} == {str(worker.process.pid) for worker in running}
+    assert workers("hold", ALIAS, b, 30).line()[0] == "acquired"
+    lk = distlocks.multi_lock([c, a, b], using=ALIAS, wait=1)
+    assert not lk.acquire()
+    assert lk.hold_count == 0
+    assert workers("take", ALIAS, a, 0).finish()[0] == "acquired"  # a was taken, then given back
+    assert workers("take", ALIAS, c, 0).finish()[0] == "acquired"
+
+
+@pytest.mark.parametrize("kind", ["semaphore", "multi", "write"])
+def test_async_kinds_across_processes(redis_cluster, name, workers, tmp_path, kind):
+    path = tmp_path / "log"
+    path.write_text("" if kind == "semaphore" else "0")
+    running = [workers("async_kind", kind, ALIAS, name, path, 3, 5, 2) for _ in range(2)]
+    assert [worker.finish() for worker in running] == [["done"], ["done"]]
+    if kind == "semaphore":
+        most, entries = concurrency(path)
+        assert most == 2
+        assert sum(entries.values()) == 30
+    else:
+        assert path.read_text() == "30"  # 2 processes x 3 tasks x 5 rounds, no update lost
