@@ -217,7 +217,8 @@ class ShardReleases:
     def __init__(self, client: Any) -> None:
         self.client = client  # redis-py's RedisCluster: the scripts, and the map of slots
         self.process = secrets.token_hex(8)
-        self.waiter_ids = (f"{self.process}.{n}" for n in itertools.count(1))  # unique across processes
+        # Unique across processes; a map, not a generator: threads enlisting on two primaries draw at once.
+        self.waiter_ids = map(f"{self.process}.{{}}".format, itertools.count(1))
         self.nodes: dict[str, NodeReleases] = {}
         self.lock = threading.Lock()
         self.forgotten = False  # in a forked child: the parent's
