@@ -205,6 +205,23 @@ class ClusterServers:
                 raise RuntimeError(f"the replica of {primary.port} did not catch up")
             time.sleep(0.01)
 
+    def move_slot(self, slot: int, to: RedisServer) -> None:
+        """Move ``slot`` and its keys to the primary ``to``, as ``redis-cli --cluster reshard`` does."""
+        import redis
+
+        def node(server: RedisServer) -> redis.Redis:
+            return redis.Redis(port=server.port, socket_timeout=5)
+
+        source = next(s for s in self.servers if any(a <= slot <= b for a, b in self.primaries().get(s.port, [])))
+        source_id, to_id = node(source).cluster("MYID"), node(to).cluster("MYID")
+        node(to).cluster("SETSLOT", slot, "IMPORTING", source_id)
+        node(source).cluster("SETSLOT", slot, "MIGRATING", to_id)
+        while keys := node(source).cluster("GETKEYSINSLOT", slot, 100):
+            node(source).migrate("127.0.0.1", to.port, keys, 0, 5000)
+        others = [s for s in self.servers if s.port in self.primaries() and s not in (to, source)]
+        for server in [to, source, *others]:  # once each: a node told again drops the slot's subscribers
+            node(server).cluster("SETSLOT", slot, "NODE", to_id)
+
     def stop(self) -> None:
         for server in self.servers:
             server.stop()
