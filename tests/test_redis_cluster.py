@@ -17,8 +17,10 @@ from django.core.exceptions import ImproperlyConfigured
 import distlocks
 from distlocks.backends.redis.keys import keys_of_lock, lock_hash
 from distlocks.checks import check_distlocks
+from distlocks.handler import locks
+from distlocks.inspection import clear_expired, force_release, held_locks
 
-from .conftest import DB, guarded_events, on_each_primary, wait_until
+from .conftest import DB, Holder, guarded_events, on_each_primary, wait_until
 from .test_read_write import intervals, overlaps
 from .test_semaphore import concurrency
 
@@ -271,3 +273,26 @@ def test_async_kinds_across_processes(redis_cluster, name, workers, tmp_path, ki
         assert sum(entries.values()) == 30
     else:
         assert path.read_text() == "30"  # 2 processes x 3 tasks x 5 rounds, no update lost
+
+
+def test_the_admin_lists_and_force_releases_locks_on_every_primary(redis_cluster, name):
+    names = on_each_primary(redis_cluster, name)
+    holders = [Holder(lock_name, ALIAS, ttl=30) for lock_name in names.values()]
+    reader = Holder(name, lock=distlocks.read_write_lock(name, using=ALIAS, ttl=30).read())
+    listed = {(info.key, info.kind): info for info in held_locks([ALIAS]).locks}  # a SCAN of every primary
+    for holder in holders:
+        assert listed[(holder.lock.key, "lock")].token == holder.token
+    assert listed[(f"rw:{name}", "read")].token == reader.token
+    for holder in holders:
+        assert force_release(ALIAS, holder.lock.key, token=holder.token)
+        assert isinstance(holder.release(), distlocks.LockLost)
+    assert force_release(ALIAS, f"rw:{name}", kind="read")
+    assert isinstance(reader.release(), distlocks.LockLost)
+    assert not [info for info in held_locks([ALIAS]).locks if name in info.key]
+    # The fencing counters of the locks no longer held, on every primary, go in one call.
+    cleared, noun = clear_expired(ALIAS)
+    assert cleared >= 4
+    assert noun == "unused fencing counters"
+    for port, lock_name in names.items():
+        fence = keys_of_lock(locks[ALIAS].make_key(lock_name))[1]
+        assert not redis.Redis(port=port).exists(fence)
