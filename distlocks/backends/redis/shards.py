@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import logging
 import secrets
 import threading
 import time
@@ -34,8 +33,6 @@ from typing import Any
 
 from distlocks.backends.redis.handover import Releases, Waiter
 from distlocks.backends.redis.server import node_client
-
-logger = logging.getLogger(__name__)
 
 # A channel no waiter of this process has used for this long is unsubscribed (at the next subscription or leave).
 IDLE_AFTER = 1.0
