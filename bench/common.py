@@ -27,12 +27,13 @@ def arguments(
     databases: Sequence[str] = (),
     pin: bool = False,
     processes: int | None = None,
+    cluster: bool = False,
 ) -> argparse.Namespace:
     """Parse the common options; ``--worker`` (hidden) takes ``worker_args`` values.
 
     ``--contended-rounds`` and ``--processes`` are offered only to a script that gives them a default,
     ``--databases`` only to one that names the databases it measures on,
-    ``--pin`` and ``--uncontended-only`` only to one that asks for them.
+    ``--pin`` and ``--uncontended-only`` only to one that asks for them, as ``--cluster``.
     """
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cycles", type=int, default=cycles, help="acquire+release cycles per round")
@@ -58,6 +59,10 @@ def arguments(
             help="uncontended: run on CPU 0, with PostgreSQL's sessions on the same CPU or on CPU 1",
         )
         parser.add_argument("--uncontended-only", action="store_true", help="skip the contended runs")
+    if cluster:
+        parser.add_argument(
+            "--cluster", action="store_true", help="also on a Redis Cluster the script starts (3 primaries, 3 replicas)"
+        )
     parser.add_argument("--url", default="redis://127.0.0.1:6379/15", help="the Redis to measure on (Redis only)")
     parser.add_argument(
         "--out", type=Path, default=Path(__file__).resolve().parent.parent / ".bench", help="where results go (JSON)"

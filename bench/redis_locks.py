@@ -15,7 +15,11 @@ Side by side in one run, on one Redis server:
 The floor is a bare ``SET NX PX`` plus an ``EVALSHA`` compare-and-delete: not
 reentrant, not fenced, not renewed. Its contended run polls every millisecond.
 The "x5" rows run Redlock over five Redis servers that the script starts on
-loopback ports 16390-16394 and stops afterwards.
+loopback ports 16390-16394 and stops afterwards. With ``--cluster``, the
+"cluster" rows run redis-py's Lock and distlocks on a Redis Cluster that the
+script starts (3 primaries, a replica each) on ports 16600-16605 (cluster bus
+16610-16615): each lock on the primary of its slot, through
+``RedisCluster``.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import os
 import secrets
 import statistics
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -50,6 +55,9 @@ IMPLS = [
     "distlocks Redlock x5",
 ]
 NODE_PORTS = [16390 + i for i in range(5)]  # the bench's own Redlock nodes
+CLUSTER_PORTS = [16600 + i for i in range(6)]  # the bench's own Redis Cluster, and its cluster bus
+CLUSTER_BUS_PORTS = [16610 + i for i in range(6)]
+CLUSTER_IMPLS = ["redis-py Lock cluster", "distlocks cluster"]
 COMPARE_AND_DELETE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
@@ -69,6 +77,10 @@ def setup(url: str) -> None:
         }
     settings.DISTLOCKS = {
         "bench": {"BACKEND": "distlocks.backends.redis.RedisBackend", "OPTIONS": {"CACHE": "bench"}},
+        "bench-cluster": {
+            "BACKEND": "distlocks.backends.redis.RedisBackend",
+            "OPTIONS": {"CLUSTER": [f"127.0.0.1:{port}" for port in CLUSTER_PORTS[:3]]},
+        },
         "bench-redlock": {
             "BACKEND": "distlocks.backends.redlock.RedlockBackend",
             "OPTIONS": {"CACHES": [f"node{i}" for i in range(len(NODE_PORTS))]},
@@ -95,6 +107,12 @@ def cycle_of(impl: str, name: str) -> tuple[Callable[[], object], Callable[[], o
     if impl == "redis-py Lock":
         lock = client.lock(name, timeout=30)
         return lock.acquire, lock.release
+    if impl == "redis-py Lock cluster":
+        from redis.cluster import ClusterNode, RedisCluster
+
+        cluster = RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", port) for port in CLUSTER_PORTS[:3]])
+        lock = cluster.lock(name, timeout=30)
+        return lock.acquire, lock.release
     if impl == "python-redis-lock":
         import redis_lock
 
@@ -106,7 +124,8 @@ def cycle_of(impl: str, name: str) -> tuple[Callable[[], object], Callable[[], o
         masters = {get_redis_connection(f"node{i}") for i in range(len(NODE_PORTS))} if "x5" in impl else {client}
         redlock = Redlock(key=name, masters=masters, auto_release_time=30)
         return redlock.acquire, redlock.release
-    dlock = distlocks.lock(name, using="bench-redlock" if "x5" in impl else "bench", ttl=30)
+    alias = "bench-redlock" if "x5" in impl else "bench-cluster" if "cluster" in impl else "bench"
+    dlock = distlocks.lock(name, using=alias, ttl=30)
     return dlock.acquire, dlock.release
 
 
@@ -130,7 +149,7 @@ def contended(impl: str, url: str, seconds: float, processes: int, tmp: Path) ->
 
 def main() -> None:
     # Short rounds (about 30 ms each) spread this shared machine's bursts of noise over every contender.
-    args = arguments(__doc__, 4, cycles=100, rounds=50, contended_rounds=3, processes=4)
+    args = arguments(__doc__, 4, cycles=100, rounds=50, contended_rounds=3, processes=4, cluster=True)
     setup(args.url)
     if args.worker:
         impl, name, seconds, counter = args.worker
@@ -140,27 +159,32 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from localservers import RedisServer
+    from localservers import ClusterServers, RedisServer
 
     nodes = [RedisServer(port).start() for port in NODE_PORTS]
+    directory = tempfile.TemporaryDirectory()
+    cluster = ClusterServers(CLUSTER_PORTS, CLUSTER_BUS_PORTS, directory.name).start() if args.cluster else None
     try:
-        run(args, Console, Table)
+        run(args, [*IMPLS, *(CLUSTER_IMPLS if cluster else [])], Console, Table)
     finally:
         for node in nodes:
             node.stop()
+        if cluster is not None:
+            cluster.stop()
+        directory.cleanup()
 
 
-def run(args: argparse.Namespace, Console: Any, Table: Any) -> None:  # noqa: N803
-    rounds: dict[str, list[list[float]]] = {impl: [] for impl in IMPLS}
+def run(args: argparse.Namespace, impls: list[str], Console: Any, Table: Any) -> None:  # noqa: N803
+    rounds: dict[str, list[list[float]]] = {impl: [] for impl in impls}
     for _ in range(args.rounds):
-        for impl in IMPLS:
+        for impl in impls:
             rounds[impl].append(uncontended(impl, args.cycles))
     samples = {impl: [s for r in measured for s in r] for impl, measured in rounds.items()}
     tmp = args.out
     tmp.mkdir(parents=True, exist_ok=True)
-    runs: dict[str, list[dict[str, float]]] = {impl: [] for impl in IMPLS}
+    runs: dict[str, list[dict[str, float]]] = {impl: [] for impl in impls}
     for _ in range(args.contended_rounds):
-        for impl in IMPLS:
+        for impl in impls:
             runs[impl].append(contended(impl, args.url, args.seconds, args.processes, tmp))
     busy = {
         impl: {
@@ -202,7 +226,7 @@ def run(args: argparse.Namespace, Console: Any, Table: Any) -> None:  # noqa: N8
     for column in columns:
         table.add_column(column, justify="left" if column == "lock" else "right")
     results = []
-    for impl in IMPLS:
+    for impl in impls:
         values = sorted(samples[impl])
         median = statistics.median(values)
         measured = busy[impl]

@@ -16,7 +16,18 @@ from django.db import connections
 
 import distlocks
 from distlocks.backends.db import close_connections
-from localservers import REDIS_PORT, REDLOCK_PORTS, ZK_PORT, RedisServer, ZooKeeperServer, answers, zk_answers
+from localservers import (
+    CLUSTER_BUS_PORTS,
+    CLUSTER_PORTS,
+    REDIS_PORT,
+    REDLOCK_PORTS,
+    ZK_PORT,
+    ClusterServers,
+    RedisServer,
+    ZooKeeperServer,
+    answers,
+    zk_answers,
+)
 from tests.cleanup import Cleanup
 from tests.zygote import Template, without_ignored
 
@@ -43,8 +54,8 @@ def pytest_collection_modifyitems(items):
 
 
 # The servers that the lock aliases of the ``alias`` parametrisation need.
-ALIAS_SERVERS = {"redis": "redis", "redlock": "redis", "zookeeper": "zookeeper"}
-SERVER_FIXTURES = {"redis": "redis_servers", "zookeeper": "zookeeper_server"}
+ALIAS_SERVERS = {"redis": "redis", "redlock": "redis", "zookeeper": "zookeeper", "cluster": "cluster"}
+SERVER_FIXTURES = {"redis": "redis_servers", "zookeeper": "zookeeper_server", "cluster": "redis_cluster"}
 
 
 @pytest.fixture(autouse=True)
@@ -71,6 +82,46 @@ def redis_servers():
     yield nodes
     for server in [main, *nodes]:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory):
+    """The tests' Redis Cluster (3 primaries, a replica each) on loopback ports of their own: lock alias "cluster"."""
+    taken = [port for port in CLUSTER_PORTS if answers(port)]
+    assert not taken, f"something already answers on port(s) {taken}: stop it, or set DISTLOCKS_TEST_REDIS_PORT"
+    cluster = ClusterServers(CLUSTER_PORTS, CLUSTER_BUS_PORTS, str(tmp_path_factory.mktemp("cluster"))).start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def cluster_alias(monkeypatch, settings):
+    """The lock alias "cluster" on the tests' Redis Cluster, here and in the worker processes the test starts."""
+    from tests.settings import CLUSTER_LOCKS
+
+    monkeypatch.setenv("DISTLOCKS_TEST_CLUSTER", "1")
+    settings.DISTLOCKS = {**settings.DISTLOCKS, "cluster": CLUSTER_LOCKS}
+    return "cluster"
+
+
+def on_each_primary(cluster, name):
+    """A lock name of ``name``'s whose hash lies on each primary of ``cluster`` now: {port: name}."""
+    from redis.crc import key_slot
+
+    from distlocks.backends.redis.keys import lock_hash
+    from distlocks.handler import locks
+
+    served = cluster.primaries()
+    found = {}
+    backend = locks["cluster"]
+    for i in range(10_000):
+        candidate = f"{name}-{i}"
+        slot = key_slot(lock_hash(backend.make_key(candidate)).encode())
+        port = next(port for port, ranges in served.items() if any(a <= slot <= b for a, b in ranges))
+        found.setdefault(port, candidate)
+        if len(found) == len(served):
+            return found
+    raise AssertionError("no name found for some primary")
 
 
 @pytest.fixture(scope="session")

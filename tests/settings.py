@@ -15,7 +15,7 @@ from typing import Any
 from demo_shop.common_settings import INSTALLED_APPS, database
 from demo_shop.common_settings import MIDDLEWARE as MIDDLEWARE
 from demo_shop.common_settings import TEMPLATES as TEMPLATES
-from localservers import REDLOCK_PORTS, ZK_PORT, redis_url
+from localservers import CLUSTER_PORTS, REDLOCK_PORTS, ZK_PORT, redis_url
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 SECRET_KEY = "distlocks-tests-only"  # the tests serve nothing
@@ -116,6 +116,14 @@ if ENSEMBLE := os.environ.get("DISTLOCKS_TEST_ZK_ENSEMBLE"):
         "LOCATION": ENSEMBLE,
         "OPTIONS": {"ROOT": f"/distlocks-tests-{RUN}", "SESSION_TIMEOUT": 4, "CONNECT_TIMEOUT": 5},
     }
+
+# The Redis Cluster of the cluster tests (their fixture starts it and sets this), seeded with its first three nodes.
+CLUSTER_LOCKS = {
+    "BACKEND": "distlocks.backends.redis.RedisBackend",
+    "OPTIONS": {"CLUSTER": [f"127.0.0.1:{port}" for port in CLUSTER_PORTS[:3]]},
+}
+if os.environ.get("DISTLOCKS_TEST_CLUSTER"):
+    DISTLOCKS["cluster"] = CLUSTER_LOCKS
 
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 DEMO_WORK_SECONDS = 0.01

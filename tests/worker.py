@@ -179,6 +179,12 @@ def multi(alias: str, names: str, seconds: str, log: str) -> None:
     _take_in_a_loop(lock, float(seconds), log, pause=0.002, token=lambda: lock.token[-1])
 
 
+def locked(alias: str, name: str, seconds: str, log: str) -> None:
+    """Take the lock (``ttl`` 30 s: a hand-over missed would show as a long wait) in a loop (see ``_take_in_a_loop``)."""
+    lock = distlocks.lock(name, using=alias, ttl=30, wait=10)
+    _take_in_a_loop(lock, float(seconds), log, pause=0.002, token=lambda: lock.token)
+
+
 def permits(alias: str, name: str, permits: str, seconds: str, log: str) -> None:
     """Take a permit of the semaphore in a loop (see ``_take_in_a_loop``)."""
     semaphore = distlocks.semaphore(name, int(permits), using=alias, ttl=5, wait=5)
@@ -721,6 +727,7 @@ def main(argv: list[str]) -> None:
         "guarded": guarded,
         "handed_over": handed_over,
         "hold_permit": hold_permit,
+        "locked": locked,
         "multi": multi,
         "permits": permits,
         "hold": hold,

@@ -9,10 +9,10 @@ waiter (first come, first served) and tells it so on its process's pub/sub
 channel, so it takes the lock without asking again and nobody polls. A waiter
 whose process died is skipped: nobody listens on its channel any more. All
 keys of one lock share a hash tag, so they live in one slot of a Redis Cluster
-(untested there: ``PUBLISH`` in a cluster counts only the listeners of the node
-it runs on, so a waiter listening elsewhere would be skipped and wait for the
-lease). Any name works: braces in it are escaped so that the hash tag is
-always well formed.
+(``OPTIONS["CLUSTER"]``, see ``cluster``), where a waiter is told on a sharded
+channel in its lock's slot and asks the lock's primary before it trusts a
+hand-over (``shards``). Any name works: braces in it are escaped so that the
+hash tag is always well formed.
 
 Fencing tokens come from a counter key that never expires, and are never
 below the server's clock in microseconds. So every token is larger than every

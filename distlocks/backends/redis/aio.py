@@ -17,7 +17,7 @@ from typing import Any, cast
 
 from distlocks.backends.base import AsyncTurn
 from distlocks.backends.redis import replicas, strays
-from distlocks.backends.redis.aiowait import LoopReleases, RedisTurn, loop_releases
+from distlocks.backends.redis.aiowait import RedisTurn, loop_releases
 from distlocks.backends.redis.keys import keys_of_lock, keys_of_read_write_lock, lock_hash
 from distlocks.backends.redis.protocol import QueuingBackend
 from distlocks.backends.redis.scripts import Attempt, registered
@@ -31,10 +31,11 @@ class AsyncRedis:
 
     def __init__(self, backend: QueuingBackend) -> None:
         self.backend = backend
-        self.server = (backend.cache, backend.address)
+        self.server = backend.server
 
-    def _loop_client(self) -> LoopReleases:
-        return loop_releases(self.server, lambda: self.backend.client)
+    def _loop_client(self) -> Any:
+        """The running loop's ``LoopReleases`` (or a cluster's ``LoopShardReleases``): its ``client`` runs the scripts."""
+        return loop_releases(self.server, self.backend.new_loop_releases)
 
     async def _call(self, script: str, keys: Sequence[str], args: list[Any], confirmed: bool = False) -> Any:
         """Run ``script`` on the loop's client; ``confirmed`` as ``RedisBackend.call``'s."""

@@ -1,4 +1,5 @@
-"""The Redis lock backend: locks as Lua-managed hashes in the Redis of a cache alias (django-redis or Django's own)."""
+"""The Redis lock backend: locks as Lua-managed hashes in the Redis of a cache alias (django-redis or Django's own),
+or in a Redis Cluster (``OPTIONS["CLUSTER"]``)."""
 
 from __future__ import annotations
 
@@ -6,15 +7,13 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from django.core import checks
-from django.core.exceptions import ImproperlyConfigured
 
-from distlocks.backends.arguments import check_count, check_positive_number
 from distlocks.backends.base import AsyncPrimitives, AsyncTurn, BaseLockBackend, Granted, LockInfo
-from distlocks.backends.redis import caches, listing, replicas, strays
+from distlocks.backends.redis import caches, cluster, listing, replicas, strays
 from distlocks.backends.redis.handover import Releases, Waiter, releases_for
 from distlocks.backends.redis.keys import (
     acquire_keys,
@@ -23,16 +22,17 @@ from distlocks.backends.redis.keys import (
     lock_hash,
     rw_acquire_keys,
 )
-from distlocks.backends.redis.replicas import WAIT_TIMEOUT, Acked, value_of
-from distlocks.backends.redis.scripts import Attempt, HoldCalls, ScriptCall, registered
+from distlocks.backends.redis.scripts import Attempt, HoldCalls, registered
 from distlocks.backends.redis.server import (
     TIMEOUTS,
     driver_errors,
     eviction_policy,
+    eviction_warnings,
     inspected,
     lease_ms,
     without_password,
 )
+from distlocks.backends.redis.shards import ShardReleases
 from distlocks.backends.redis.side import RedisSide
 from distlocks.exceptions import BackendUnavailable
 from distlocks.owner import Owner
@@ -54,21 +54,20 @@ class RedisBackend(BaseLockBackend):
     max_key_length = 1024
     cleanup_noun = "unused fencing counters"
     side_class = RedisSide
-    option_names = ("CACHE", "WAIT_REPLICAS", "WAIT_TIMEOUT")
+    option_names = ("CACHE", "CLUSTER", "CLUSTER_OPTIONS", "WAIT_REPLICAS", "WAIT_TIMEOUT")
     location_instead = (
         "OPTIONS['CACHE'] names the Redis cache (an alias of CACHES, default 'default'; django-redis or Django's own) "
-        "whose Redis holds the locks: set the Redis URL as that cache's LOCATION."
+        "whose Redis holds the locks: set the Redis URL as that cache's LOCATION. For a Redis Cluster, list its "
+        "seed nodes in OPTIONS['CLUSTER']."
     )
 
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         super().__init__(alias, params)
-        self.cache: str = self.options.get("CACHE", "default")
-        try:  # an acquisition counts once that many replicas acknowledge it (see ``replicas``)
-            self.wait_replicas = check_count(self.options.get("WAIT_REPLICAS", 0), "OPTIONS['WAIT_REPLICAS']")
-            timeout = self.options.get("WAIT_TIMEOUT", WAIT_TIMEOUT)
-            self.wait_timeout = check_positive_number(timeout, "OPTIONS['WAIT_TIMEOUT']")
-        except ValueError as exc:
-            raise ImproperlyConfigured(f"DISTLOCKS[{alias!r}]: {exc}") from exc
+        # A Redis Cluster's seed nodes and redis-py options; none: the Redis of a cache.
+        self.cluster, self.cluster_options = cluster.configured(alias, self.options)
+        self.cache: str = "" if self.cluster else self.options.get("CACHE", "default")
+        # An acquisition counts once this many replicas acknowledge it, within the timeout (see ``replicas``).
+        self.wait_replicas, self.wait_timeout = replicas.configured(alias, self.options, bool(self.cluster))
         # This thread's waits (instances are per thread): each key's waiter, and how long the last attempt said to wait.
         self._waiting: dict[str, Waiter] = {}
         self._wait_hint: dict[str, float] = {}
@@ -79,13 +78,17 @@ class RedisBackend(BaseLockBackend):
 
     @property
     def client(self) -> Any:
-        """The redis-py client of the cache alias: django-redis's, or the one Django's own RedisCache writes with."""
-        return caches.client_of(self.alias, self.cache)
+        """The redis-py client of the cache alias (django-redis's, or the one Django's own RedisCache writes with),
+        or this process's ``RedisCluster`` (BackendUnavailable if no seed node answers)."""
+        if not self.cluster:
+            return caches.client_of(self.alias, self.cache)
+        with self._reaching():
+            return cluster.client(self.alias, self.cluster, self.cluster_options)
 
     def unavailable(self, exc: Exception) -> BackendUnavailable:
+        where = f"Redis {self.address}" if self.cluster else f"Redis of cache {self.cache!r} ({self.address})"
         return BackendUnavailable(
-            f"Redis of cache {self.cache!r} ({self.address}) for locks on {self.alias!r} is unavailable: "
-            f"{str(exc) or type(exc).__name__}",
+            f"{where} for locks on {self.alias!r} is unavailable: {str(exc) or type(exc).__name__}",
             alias=self.alias,
         )
 
@@ -165,7 +168,7 @@ class RedisBackend(BaseLockBackend):
 
         A ``waiter`` queues when it does not get it, and takes what a release
         handed it. A failed attempt leaves the most to wait in ``_wait_hint[slot]``.
-        With WAIT_REPLICAS, a hold counts once confirmed (``_confirm``).
+        With WAIT_REPLICAS, a hold counts once confirmed (``replicas.confirm``).
         """
         if waiter is not None and waiter.token:
             return (yield from self._handed_over(waiter, ttl, calls, waiter.token))
@@ -177,9 +180,9 @@ class RedisBackend(BaseLockBackend):
                 args.append("queued")
         sent = time.monotonic()
         answer = yield script, keys, args
-        token = int(value_of(answer))
+        token = int(replicas.value_of(answer))
         if token > 0:
-            yield from self._confirm(answer, calls, token)
+            yield from replicas.confirm(self, answer, calls, token)
             # Taken now, or (a queued waiter) handed over by a release whose message it had not read.
             if waiter and waiter.queued:
                 return (yield from self._handed_over(waiter, ttl, calls, token, confirmed=True))
@@ -212,33 +215,11 @@ class RedisBackend(BaseLockBackend):
             return Granted(token, waiter.queued_at)
         script, keys, args = calls.renewal
         answer = yield script, keys, [*args, token]
-        if value_of(answer):
-            yield from self._confirm(answer, calls, token)
+        if replicas.value_of(answer):
+            yield from replicas.confirm(self, answer, calls, token)
             return token
         logger.info("A lock handed over to a waiter was gone when it woke: queueing again")
         return None
-
-    def _confirm(self, answer: Any, calls: HoldCalls, token: int) -> Generator[ScriptCall, Any, None]:
-        """Give back the hold ``token`` and raise BackendUnavailable if fewer replicas acknowledged it than asked.
-
-        A give-back that raises is made again once the server answers (``strays``).
-        """
-        if not isinstance(answer, Acked) or answer.replicas >= self.wait_replicas:
-            return
-        script, keys, args = calls.release
-        try:
-            yield script, keys, [*args, token]
-        except BaseException as exc:
-            forced = "rw_force_release" if script == "rw_release" else "force_release"
-            strays.release_later(lambda: self.client, keys, token, forced)
-            if not isinstance(exc, BackendUnavailable):
-                raise
-        raise BackendUnavailable(
-            f"Redis of cache {self.cache!r} ({self.address}) for locks on {self.alias!r}: {answer.replicas} of the "
-            f"{self.wait_replicas} replicas asked for (WAIT_REPLICAS) acknowledged the acquisition of {calls.key!r} "
-            f"within {self.wait_timeout:g}s (WAIT_TIMEOUT): it was given back",
-            alias=self.alias,
-        )
 
     def reenter(self, key: str, owner: Owner, ttl: float) -> bool:
         return bool(self.call("reenter", [self._hash(key)], [owner.secret, lease_ms(ttl)]))
@@ -262,39 +243,64 @@ class RedisBackend(BaseLockBackend):
         """Free the acquisition ``token`` of ``key`` once the server answers (see ``strays``), if it is still held."""
         strays.release_later(lambda: self.client, keys_of_lock(key), token)
 
-    def _releases(self) -> Releases:
+    def _releases(self) -> Releases | ShardReleases:
         releases = self._process_releases  # kept: looked up at every acquire that may wait
         if releases is None or releases.forgotten:
-            releases = self._process_releases = releases_for((self.cache, self.address), lambda: self.client)
+            releases = self._process_releases = releases_for(self.server, self._new_releases)
         return releases
 
-    def begin_wait(self, key: str) -> None:
+    def _new_releases(self) -> Releases | ShardReleases:
+        return ShardReleases(self.client) if self.cluster else Releases(self.client)
+
+    def new_loop_releases(self) -> Any:
+        """The running event loop's hand-overs (and client) of this server: see ``aiowait`` and ``aioshards``."""
+        if self.cluster:
+            from distlocks.backends.redis.aioshards import LoopShardReleases
+
+            client = cluster.async_client(self.alias, self.cluster, self.cluster_options)
+            return LoopShardReleases(client, self.client)
+        from distlocks.backends.redis.aiowait import LoopReleases, async_client
+
+        return LoopReleases(async_client(self.client))
+
+    def begin_wait(self, key: str, lock_hash: str = "") -> None:
         """Queue at the first attempt a thread that waited lately: it will likely wait again.
 
         Joining the queue at once saves a round trip when the lock is taken;
         when it is free, a plain attempt is cheaper, so others try first.
+        ``lock_hash`` is the hash of the lock of ``key`` (a read-write lock's).
         """
         if time.monotonic() - self._waited_at < WAITED_LATELY:
             releases = self._releases()
-            if releases.subscribed.is_set():  # no request made here
-                self._waiting[key] = releases.enlist()
+            with self._reaching():
+                waiter = releases.enlisted(lock_hash or self._hash(key))  # if it can be had without a request
+            if waiter is not None:
+                self._waiting[key] = waiter
 
-    def wait(self, key: str, attempt: int, remaining: float | None) -> None:
+    def wait(self, key: str, attempt: int, remaining: float | None, lock_hash: str = "") -> None:
         """Sleep until a release hands the lock to this waiter or the lease runs out, at most ``remaining``.
 
         Unless ``begin_wait()`` found the process's channel subscribed already,
         the first call subscribes it and returns: only then may the next
         attempt queue the waiter. A release hands the lock to the first waiter
         in the queue, first come first served, and the waiter takes it without
-        asking Redis again.
+        asking Redis again (on a cluster, after asking the lock's primary: see
+        ``shards``, which also moves a waiter whose lock's slot moved).
         """
         self._waited_at = time.monotonic()
         releases = self._releases()
         waiter = self._waiting.get(key)
-        if waiter is None:
-            with self._reaching():
-                waiter = self._waiting[key] = releases.enlist()
-            releases.wait_until(releases.subscribed.is_set, waiter, 1.0 if remaining is None else min(remaining, 1.0))
+        with self._reaching():
+            if waiter is None or not releases.current(waiter):
+                waiter = self._waiting[key] = releases.enlist(lock_hash or self._hash(key), waiter)
+                subscribing = True
+            else:
+                subscribing = not releases.ready(waiter)
+        if subscribing:  # the next attempt queues it: a release must find it listening
+            subscribed = waiter
+            releases.wait_until(
+                lambda: releases.ready(subscribed), waiter, 1.0 if remaining is None else min(remaining, 1.0)
+            )
             waiter.retry = False
             return
         timeout = self._wait_hint.get(key, 1.0)
@@ -397,10 +403,17 @@ class RedisBackend(BaseLockBackend):
             return listing.clear_unused_counters(self.client, dry_run)
 
     @property
+    def server(self) -> tuple[str, str]:
+        """The cache alias and address: what this process keeps one of per server (its hand-overs, its look at it)."""
+        return self.cache, self.address
+
+    @property
     def address(self) -> str:
-        """The cache's LOCATION, with any password masked: it goes into messages and logs."""
+        """The cache's LOCATION, with any password masked, or the cluster's seed nodes: it goes into messages and logs."""
         from django.conf import settings
 
+        if self.cluster:
+            return cluster.address(self.cluster)
         urls = caches.addresses(settings.CACHES.get(self.cache), self.cache)
         return ", ".join(without_password(url) for url in urls)
 
@@ -409,25 +422,15 @@ class RedisBackend(BaseLockBackend):
         with self._reaching():
             client = self.client
             client.ping()
-            return self._eviction_warnings(eviction_policy(client))
+            return self._eviction_warnings_of(eviction_policy(client))
 
-    def _eviction_warnings(self, policy: str | None) -> list[checks.CheckMessage]:
-        if policy in (None, "noeviction"):
-            return []
-        return [
-            checks.Warning(
-                f"DISTLOCKS[{self.alias!r}]: the Redis of cache {self.cache!r} evicts keys "
-                f"(maxmemory-policy {policy}): when it runs short of memory it may delete a held "
-                "lock, and another process takes it while the holder goes on.",
-                hint="Set maxmemory-policy noeviction on that server, ideally a Redis of its own for "
-                "locks (with noeviction, a full Redis refuses writes instead of forgetting).",
-                id="distlocks.W011",
-            )
-        ]
+    def _eviction_warnings_of(self, policy: str | None) -> list[checks.CheckMessage]:
+        server = f"the Redis {self.address}" if self.cluster else f"the Redis of cache {self.cache!r}"
+        return eviction_warnings(self.alias, server, policy)
 
     def _inspect(self, client: Any) -> None:
         """Log a warning, once per process and server, if the server's eviction policy can delete held locks."""
-        if (self.cache, self.address) in inspected:
+        if self.server in inspected:
             return
         try:
             policy = eviction_policy(client)
@@ -437,9 +440,11 @@ class RedisBackend(BaseLockBackend):
 
     def inspected(self, policy: str | None) -> None:
         """Note the server's eviction policy, looked at on its first use by this process, and warn if it evicts."""
-        inspected.add((self.cache, self.address))
-        for warning in self._eviction_warnings(policy):
+        inspected.add(self.server)
+        for warning in self._eviction_warnings_of(policy):
             logger.warning("%s %s", warning.msg, warning.hint)
 
     def check(self) -> list[checks.CheckMessage]:
+        if self.cluster:  # its options were checked when it was made (E002), and its timeouts have defaults
+            return []
         return caches.check(self.alias, self.cache, TIMEOUTS)

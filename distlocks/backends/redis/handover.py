@@ -14,6 +14,7 @@ from typing import Any
 
 from distlocks.backends.redis.keys import RW_SUFFIX, lock_keys
 from distlocks.backends.redis.scripts import registered
+from distlocks.backends.redis.server import driver_errors
 from distlocks.owner import Owner
 
 logger = logging.getLogger(__name__)
@@ -29,8 +30,11 @@ class Waiter:
     """A thread waiting for a lock, woken by the release that hands it the lock, with its token."""
 
     def __init__(self, channel: str, waiter_id: str) -> None:
-        self.channel = channel
+        self.channel = channel  # what its queue entry names (on a cluster ':w:<process>', see ``shards``)
         self.id = waiter_id
+        self.home: Any = None  # the releases that read its channel (its lock's primary's, on a cluster)
+        self.subscription = channel  # the channel that tells it
+        self.moved = False  # on a cluster: its subscription was dropped (a slot moved, a reconnect)
         self.entry = ""  # its entry in the lock's queue, once it has one
         self.wake = threading.Event()
         self.token = 0
@@ -103,9 +107,10 @@ class Releases:
     the reading waiter leaves it wakes the others, one of which reads next.
     """
 
-    def __init__(self, client: Any) -> None:
-        self.client = client
-        self.pubsub = client.pubsub()
+    def __init__(self, client: Any, listener: Any = None) -> None:
+        self.client = client  # the scripts' (a lock handed to a waiter that left is given back by them)
+        self.listener = listener or client  # the pub/sub connection's
+        self.pubsub = self.listener.pubsub()
         process = secrets.token_hex(8)
         self.channel = f"distlocks:waiters:{process}"
         self.waiter_ids = (f"{process}.{n}" for n in itertools.count(1))  # unique across processes
@@ -115,21 +120,42 @@ class Releases:
         self.subscribing = False
         self.subscribed = threading.Event()
         self.broken = False
-        self.silence = Silence(client)
+        self.silence = Silence(self.listener)
         self.forgotten = False  # in a forked child: the parent's
 
-    def enlist(self) -> Waiter:
+    def enlist(self, lock_hash: str, waiter: Waiter | None = None) -> Waiter:
+        """A waiter for the lock whose hash is ``lock_hash`` (any lock: the process's channel tells them all)."""
         with self.lock:
-            waiter = Waiter(self.channel, next(self.waiter_ids))
+            waiter = waiter or Waiter(self.channel, next(self.waiter_ids))
+            waiter.home = self
             if not self.subscribing:
                 self.pubsub.subscribe(self.channel)
                 self.subscribing = True
             self.waiters[waiter.id] = waiter
         return waiter
 
+    def enlisted(self, lock_hash: str) -> Waiter | None:
+        """A waiter for ``lock_hash`` that may queue at once, if one can be had without a request (else None)."""
+        return self.enlist(lock_hash) if self.subscribed.is_set() else None
+
+    def ready(self, waiter: Waiter) -> bool:
+        """Whether a release can tell ``waiter`` now: it may queue."""
+        return self.subscribed.is_set()
+
+    def current(self, waiter: Waiter) -> bool:
+        """Whether ``waiter`` still listens where its lock's releases tell (always, here: see ``shards``)."""
+        return True
+
     def discharge(self, waiter: Waiter) -> None:
         with self.lock:
             self.waiters.pop(waiter.id, None)
+
+    def forget(self) -> None:
+        """In a forked child: close the parent's socket (see ``_forget_releases_after_fork``)."""
+        self.forgotten = True
+        if self.pubsub.connection is not None:
+            with contextlib.suppress(Exception):
+                self.pubsub.connection.disconnect()
 
     def wait_until(self, done: Callable[[], bool], waiter: Waiter, timeout: float) -> None:
         """Return once ``done()`` or after ``timeout`` seconds, reading the connection when nobody else does."""
@@ -155,7 +181,7 @@ class Releases:
         """Read one message, waiting at most ``timeout`` seconds, and pass it to the waiter it is for."""
         try:
             if self.silence.dead():
-                self.pubsub.connection.disconnect()  # the read below reconnects and resubscribes
+                self.reconnect()
             elif self.silence.to_ping():
                 self.pubsub.ping()
             # Subscribed already: enlist() subscribes.
@@ -164,6 +190,7 @@ class Releases:
             if not self.broken:  # once per outage, not at every read
                 logger.warning("Redis release channel lost, reconnecting: %s", exc)
             self.broken = True
+            self.lost()
             time.sleep(min(timeout, 0.5))
             return
         self.broken = False
@@ -171,12 +198,21 @@ class Releases:
             return
         self.silence.heard()
         with self.lock:
-            gone = pass_on(message, self.waiters, self.subscribed)
+            gone = self.handle(message)
         if gone is not None:
-            from redis.exceptions import RedisError
-
-            with contextlib.suppress(RedisError):
+            with contextlib.suppress(*driver_errors()):
                 give_back(self.client, gone)
+
+    def reconnect(self) -> None:
+        """Drop a connection presumed dead: the next read reconnects and resubscribes."""
+        self.pubsub.connection.disconnect()
+
+    def lost(self) -> None:
+        """The connection broke (a read raised): redis-py reconnects and resubscribes at the next read."""
+
+    def handle(self, message: dict[str, Any]) -> tuple[str, str] | None:
+        """Pass ``message`` on (under ``self.lock``): see ``pass_on``."""
+        return pass_on(message, self.waiters, self.subscribed)
 
 
 def pass_on(message: dict[str, Any], waiters: Mapping[str, Waiter], subscribed: Any) -> tuple[str, str] | None:
@@ -214,8 +250,9 @@ def give_back(client: Any, gone: tuple[str, str]) -> Any:
     return registered(client)[abandon](keys=lock_keys(lock_hash), args=[waiter_id, ""])
 
 
-# One per cache alias and server (tests point an alias at new servers), in this process.
-_releases: dict[tuple[str, str], Releases] = {}
+# One per cache alias and server (tests point an alias at new servers), in this process: a ``Releases``, or a
+# cluster's ``shards.ShardReleases``.
+_releases: dict[tuple[str, str], Any] = {}
 _releases_lock = threading.Lock()
 
 
@@ -229,20 +266,17 @@ def _forget_releases_after_fork() -> None:
     global _releases_lock
     _releases_lock = threading.Lock()
     for releases in _releases.values():
-        releases.forgotten = True
-        if releases.pubsub.connection is not None:
-            with contextlib.suppress(Exception):
-                releases.pubsub.connection.disconnect()
+        releases.forget()
     _releases.clear()
 
 
 os.register_at_fork(after_in_child=_forget_releases_after_fork)
 
 
-def releases_for(server: tuple[str, str], client: Callable[[], Any]) -> Releases:
-    """This process's hand-overs from ``server`` (cache alias, address), made on first use from ``client()``."""
+def releases_for(server: tuple[str, str], make: Callable[[], Any]) -> Any:
+    """This process's hand-overs from ``server`` (cache alias, address), made on first use by ``make()``."""
     with _releases_lock:
         releases = _releases.get(server)
         if releases is None:
-            releases = _releases[server] = Releases(client())
+            releases = _releases[server] = make()
     return releases

@@ -19,12 +19,26 @@ below the server's clock in microseconds, see ``scripts.TAKE``).
 The hand-over is the lock's (``scripts.PASS_ON``): a script that may free the
 lock serves the queue from its head, gives the side to the waiters that may
 have it (a writer alone, or the run of readers up to the next writer) and
-tells each on its process's channel, "token waiter-id hash", which
-``handover.pass_on`` reads. As in the lock's scripts, the common case runs
+tells each on its process's channel (``TELL``), "token waiter-id hash",
+which ``handover.pass_on`` reads. As in the lock's scripts, the common case runs
 first and returns before the queue's functions are made.
 """
 
 from __future__ import annotations
+
+# Tell a waiter's process "token waiter-id hash" on the channel of its queue entry: the process's own
+# (PUBLISH), or on a Redis Cluster, where an entry's channel is ':w:<process>', the sharded channel of
+# this lock and that process, '<KEYS[1]>:w:<process>': in the lock's slot, so that SPUBLISH reaches the
+# subscribers of the lock's own primary (and counts them), wherever the process connected first.
+# return how many listened
+TELL = """
+local function tell(channel, token, id)
+  if string.byte(channel, 1) == 58 then
+    return redis.call('SPUBLISH', KEYS[1] .. channel, token .. ' ' .. id .. ' ' .. KEYS[1])
+  end
+  return redis.call('PUBLISH', channel, token .. ' ' .. id .. ' ' .. KEYS[1])
+end
+"""
 
 COMMON = """
 local clock = redis.call('TIME')
@@ -90,6 +104,7 @@ end
 # The queue: serve it from its head (``pass_on``), drop a hold (``drop``: its field, 'w' or 'r:<secret>').
 QUEUE = (
     HOLD
+    + TELL
     + """
 local function drop(field)
   if field == 'w' then
@@ -115,7 +130,7 @@ local function pass_on()
       local token = hold(mode, secret, tonumber(lease), clock[1] .. ' ' .. info)
       local field = mode == 'write' and 'w' or 'r:' .. secret
       redis.call('HSET', KEYS[1], 'g' .. field, id)
-      if redis.call('PUBLISH', channel, token .. ' ' .. id .. ' ' .. KEYS[1]) == 0 then
+      if tell(channel, token, id) == 0 then
         drop(field)
       elseif mode == 'write' then
         return

@@ -19,6 +19,7 @@ from collections.abc import Generator, Sequence
 from typing import Any, NamedTuple
 
 from distlocks.backends.redis.rwscripts import SCRIPTS as RW_SCRIPTS
+from distlocks.backends.redis.rwscripts import TELL
 
 #: A script to run: its name, keys and arguments.
 ScriptCall = tuple[str, Sequence[str], list[Any]]
@@ -63,10 +64,11 @@ end
 
 # The lock is free: hand it to the first waiter in the queue, marking the hash
 # 'granted' with the waiter's id and telling its process "token waiter-id
-# lock-key". A waiter whose process no longer listens (it died) is dropped, and
-# the lock goes to the next one.
+# lock-key" (``rwscripts.TELL``). A waiter whose process no longer listens (it
+# died) is dropped, and the lock goes to the next one.
 PASS_ON = (
     TAKE
+    + TELL
     + """
 local function pass_on()
   local now = redis.call('TIME')[1]
@@ -77,7 +79,7 @@ local function pass_on()
     local channel, id, secret, lease, info = string.match(first, '^([^|]*)|([^|]*)|([^|]*)|(%d+)|(.*)$')
     local token = take(secret, lease, now .. ' ' .. info)
     redis.call('HSET', KEYS[1], 'granted', id)
-    if redis.call('PUBLISH', channel, string.format('%d %s %s', token, id, KEYS[1])) > 0 then return end
+    if tell(channel, string.format('%d', token), id) > 0 then return end
     redis.call('DEL', KEYS[1])
   end
 end

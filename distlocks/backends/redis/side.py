@@ -40,10 +40,12 @@ class RedisSide(ReadWriteSide):
         return redis.run(redis.rw_attempt(self.lock_key(key), owner, ttl, self.mode, waiter))
 
     def begin_wait(self, key: str) -> None:
-        self.redis.begin_wait(self._keys(key)[0])
+        rw_hash = self._keys(key)[0]
+        self.redis.begin_wait(rw_hash, rw_hash)
 
     def wait(self, key: str, attempt: int, remaining: float | None) -> None:
-        self.redis.wait(self._keys(key)[0], attempt, remaining)
+        rw_hash = self._keys(key)[0]
+        self.redis.wait(rw_hash, attempt, remaining, rw_hash)
 
     def end_wait(self, key: str, acquired: bool) -> None:
         keys = self._keys(key)

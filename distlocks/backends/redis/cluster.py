@@ -1,0 +1,148 @@
+"""A Redis Cluster as the Redis backend's server (``OPTIONS["CLUSTER"]``): its seed nodes, redis-py's cluster clients.
+
+The backend's scripts go through redis-py's ``RedisCluster`` (and, on an
+event loop, ``redis.asyncio.cluster.RedisCluster``), which routes each by its
+keys to the primary of their slot, follows ``MOVED`` and ``ASK`` and learns the
+new map of slots after a failover. Every key of a lock shares one hash tag
+(``keys.py``): each script runs in one slot. The waiters' hand-overs go on
+sharded channels in the lock's slot (``shards.py``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import os
+import threading
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured
+
+#: Passed to redis-py unless ``CLUSTER_OPTIONS`` says otherwise: a node that does not answer raises in bounded time.
+DEFAULT_OPTIONS = {"socket_connect_timeout": 2, "socket_timeout": 5}
+
+Seeds = tuple[tuple[str, int], ...]
+
+
+def configured(alias: str, options: dict[str, Any]) -> tuple[Seeds, dict[str, Any]]:
+    """The seed nodes and redis-py options of a backend's ``options`` (none: it names a cache, not a cluster).
+
+    Raise ImproperlyConfigured, naming the option, if they are not what they must be.
+    """
+    if "CLUSTER" not in options:
+        if "CLUSTER_OPTIONS" in options:
+            raise ImproperlyConfigured(
+                f"DISTLOCKS[{alias!r}]['OPTIONS'] sets CLUSTER_OPTIONS without CLUSTER: they are the options of "
+                "redis-py's RedisCluster, for the seed nodes listed in CLUSTER"
+            )
+        return (), {}
+    if "CACHE" in options:
+        raise ImproperlyConfigured(
+            f"DISTLOCKS[{alias!r}]['OPTIONS'] sets both CACHE and CLUSTER: set CLUSTER alone for a Redis "
+            "Cluster, CACHE alone for the Redis of a cache"
+        )
+    return seeds_of(alias, options["CLUSTER"]), options_of(alias, options.get("CLUSTER_OPTIONS"))
+
+
+def seeds_of(alias: str, value: Any) -> Seeds:
+    """The seed nodes of ``OPTIONS["CLUSTER"]``, a list of "host:port"; ImproperlyConfigured naming the option if not."""
+    where = f"DISTLOCKS[{alias!r}]['OPTIONS']['CLUSTER']"
+    if not isinstance(value, list | tuple) or not value:
+        raise ImproperlyConfigured(f'{where} must be a list of seed nodes, "host:port" each; it is {value!r}')
+    seeds = []
+    for node in value:
+        host, colon, port = node.rpartition(":") if isinstance(node, str) else ("", "", "")
+        host = host.removeprefix("[").removesuffix("]")  # an IPv6 address: [::1]:7000
+        if not (colon and host and port.isdigit() and 0 < int(port) < 65536):
+            raise ImproperlyConfigured(f'{where} has {node!r}, which is not "host:port" (e.g. "10.0.0.1:7000")')
+        seeds.append((host, int(port)))
+    return tuple(seeds)
+
+
+def options_of(alias: str, value: Any) -> dict[str, Any]:
+    """``OPTIONS["CLUSTER_OPTIONS"]``: keyword arguments of redis-py's RedisCluster, over ``DEFAULT_OPTIONS``.
+
+    redis-py drops the names it does not know without a word: here they are
+    an error, as is ``decode_responses`` (the backend reads bytes).
+    """
+    where = f"DISTLOCKS[{alias!r}]['OPTIONS']['CLUSTER_OPTIONS']"
+    if value is None:
+        value = {}
+    if not isinstance(value, dict) or not all(isinstance(name, str) for name in value):
+        raise ImproperlyConfigured(
+            f"{where} must be a dict of redis-py's RedisCluster keyword arguments (password, ssl, "
+            f"socket_timeout...); it is {value!r}"
+        )
+    accepted = _accepted()
+    for name in value:
+        if name == "decode_responses" or (accepted and name not in accepted):
+            close = difflib.get_close_matches(name, accepted, n=1)
+            guess = f" Did you mean {close[0]!r}?" if close and name != "decode_responses" else ""
+            raise ImproperlyConfigured(f"{where} has {name!r}, which the backend cannot pass to RedisCluster.{guess}")
+    return {**DEFAULT_OPTIONS, **value}
+
+
+def _accepted() -> list[str]:
+    """The keyword arguments redis-py's RedisCluster passes on (none known: no redis-py, or one that does not say)."""
+    try:
+        from redis.cluster import REDIS_ALLOWED_KEYS, RedisCluster
+    except ImportError:  # the first use says that redis-py is missing
+        return []
+    own = set(inspect.signature(RedisCluster.__init__).parameters) - {"self", "startup_nodes", "kwargs"}
+    return sorted((own | set(REDIS_ALLOWED_KEYS)) - {"host", "port", "decode_responses", "connection_pool"})
+
+
+def address(seeds: Seeds) -> str:
+    """The seed nodes as messages and logs show them."""
+    return "cluster " + ", ".join(f"{host}:{port}" for host, port in seeds)
+
+
+# This process's cluster clients, by alias, seeds and options (tests point an alias at other servers).
+_clients: dict[tuple[str, Seeds, str], Any] = {}
+_clients_lock = threading.Lock()
+
+
+def client(alias: str, seeds: Seeds, options: dict[str, Any]) -> Any:
+    """This process's ``redis.cluster.RedisCluster`` for ``alias`` (thread-safe: shared by its threads)."""
+    key = (alias, seeds, repr(sorted(options.items())))
+    found = _clients.get(key)
+    if found is not None:
+        return found
+    with _clients_lock:
+        found = _clients.get(key)
+        if found is None:
+            found = _clients[key] = _make(alias, seeds, options, asyncio=False)
+    return found
+
+
+def async_client(alias: str, seeds: Seeds, options: dict[str, Any]) -> Any:
+    """A new ``redis.asyncio.cluster.RedisCluster`` for ``alias`` (one per event loop: see ``aiowait``)."""
+    return _make(alias, seeds, options, asyncio=True)
+
+
+def _make(alias: str, seeds: Seeds, options: dict[str, Any], asyncio: bool) -> Any:
+    try:
+        if asyncio:
+            from redis.asyncio.cluster import ClusterNode, RedisCluster
+        else:
+            from redis.cluster import ClusterNode, RedisCluster  # type: ignore[assignment]
+    except ImportError as exc:
+        raise ImproperlyConfigured(f"DISTLOCKS[{alias!r}] needs redis-py: pip install 'distlocks[redis]'") from exc
+    return RedisCluster(startup_nodes=[ClusterNode(host, port) for host, port in seeds], **options)
+
+
+def is_cluster(client: Any) -> bool:
+    """Whether ``client`` is redis-py's (sync) cluster client."""
+    from redis.cluster import RedisCluster
+
+    return isinstance(client, RedisCluster)
+
+
+def _forget_clients_after_fork() -> None:
+    """A forked child makes clients of its own (redis-py's are not to be shared across a fork)."""
+    global _clients_lock
+    _clients_lock = threading.Lock()
+    _clients.clear()
+
+
+os.register_at_fork(after_in_child=_forget_clients_after_fork)
