@@ -32,8 +32,9 @@ class Holder(Protocol):
 
 def current_holder() -> Holder:
     """The holder the calling thread acts for: the task it runs a step of (``acting_for``), or itself."""
-    acting: tuple[Holder, dict[tuple[str, str], Hold]] | None = getattr(_local, "acting", None)
-    return threading.current_thread() if acting is None else acting[0]
+    local = _local
+    acting = local.acting
+    return local.thread if acting is None else acting[0]
 
 
 @dataclass(eq=False)
@@ -84,24 +85,30 @@ class Hold:
         return self.lock_class.primitives(locks[self.alias])
 
 
-_local = threading.local()
+class _Local(threading.local):
+    """A thread's holds, the thread, and the task it acts for: set up at the thread's first use, read as attributes
+    (every acquire and release reads them; ``getattr`` with a default costs a call more)."""
+
+    def __init__(self) -> None:
+        self.holds: dict[tuple[str, str], Hold] = {}
+        self.thread: Holder = threading.current_thread()
+        self.acting: tuple[Holder, dict[tuple[str, str], Hold]] | None = None
+
+
+_local = _Local()
 
 
 def holds() -> dict[tuple[str, str], Hold]:
     """Return the calling thread's holds (those of the task it acts for), keyed by (alias, key)."""
-    acting: tuple[Holder, dict[tuple[str, str], Hold]] | None = getattr(_local, "acting", None)
-    if acting is not None:
-        return acting[1]
-    found: dict[tuple[str, str], Hold] | None = getattr(_local, "holds", None)
-    if found is None:
-        found = _local.holds = {}
-    return found
+    local = _local
+    acting = local.acting
+    return local.holds if acting is None else acting[1]
 
 
 @contextlib.contextmanager
 def acting_for(holder: Holder, table: dict[tuple[str, str], Hold]) -> Iterator[None]:
     """Make ``holder`` (a task) and its ``table`` of holds the calling thread's while the block runs."""
-    previous = getattr(_local, "acting", None)
+    previous = _local.acting
     _local.acting = (holder, table)
     try:
         yield
@@ -112,7 +119,7 @@ def acting_for(holder: Holder, table: dict[tuple[str, str], Hold]) -> Iterator[N
 def _forget_holds_after_fork() -> None:
     """A forked child holds nothing: the locks are its parent's."""
     global _local
-    _local = threading.local()
+    _local = _Local()
 
 
 os.register_at_fork(after_in_child=_forget_holds_after_fork)
