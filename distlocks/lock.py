@@ -38,19 +38,30 @@ Call = tuple[BaseLockBackend, str, tuple[Any, ...]]
 Steps = Generator[Call, Any, R]
 
 
-def run_steps(steps: Steps[R]) -> R:
+_DONE: Any = object()
+
+
+def run_steps(steps: Steps[None]) -> None:
     """Run ``steps`` in the calling thread: each call is made and its result (or error) sent back."""
-    result: Any = None
-    error: BaseException | None = None
+    # Steps that make no call (a hold recorded) end without a StopIteration raised and caught: that costs
+    # more than the rest of them (next() with a default drops what they return, so they return None).
+    call = next(steps, _DONE)
+    if call is _DONE:
+        return
     while True:
+        backend, method, args = call
         try:
-            backend, method, args = steps.send(result) if error is None else steps.throw(error)
-        except StopIteration as done:
-            return done.value
-        try:
-            result, error = getattr(backend, method)(*args), None
+            result = getattr(backend, method)(*args)
         except BaseException as exc:  # noqa: B036 - thrown into the step, where the call was
-            result, error = None, exc
+            try:
+                call = steps.throw(exc)
+            except StopIteration:
+                return
+            continue
+        try:
+            call = steps.send(result)
+        except StopIteration:
+            return
 
 
 class DistributedLock(LockAPI):
