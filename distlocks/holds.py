@@ -32,9 +32,7 @@ class Holder(Protocol):
 
 def current_holder() -> Holder:
     """The holder the calling thread acts for: the task it runs a step of (``acting_for``), or itself."""
-    local = _local
-    acting = local.acting
-    return local.thread if acting is None else acting[0]
+    return _local.holder
 
 
 @dataclass(eq=False)
@@ -86,13 +84,16 @@ class Hold:
 
 
 class _Local(threading.local):
-    """A thread's holds, the thread, and the task it acts for: set up at the thread's first use, read as attributes
-    (every acquire and release reads them; ``getattr`` with a default costs a call more)."""
+    """Who the calling thread acts for (itself, or a task: ``acting_for``) and that holder's holds.
+
+    Set up at the thread's first use and read as attributes, one read each:
+    every acquire and release reads them (``getattr`` with a default raised and
+    swallowed an AttributeError whenever the attribute was missing).
+    """
 
     def __init__(self) -> None:
+        self.holder: Holder = threading.current_thread()
         self.holds: dict[tuple[str, str], Hold] = {}
-        self.thread: Holder = threading.current_thread()
-        self.acting: tuple[Holder, dict[tuple[str, str], Hold]] | None = None
 
 
 _local = _Local()
@@ -100,20 +101,19 @@ _local = _Local()
 
 def holds() -> dict[tuple[str, str], Hold]:
     """Return the calling thread's holds (those of the task it acts for), keyed by (alias, key)."""
-    local = _local
-    acting = local.acting
-    return local.holds if acting is None else acting[1]
+    return _local.holds
 
 
 @contextlib.contextmanager
 def acting_for(holder: Holder, table: dict[tuple[str, str], Hold]) -> Iterator[None]:
     """Make ``holder`` (a task) and its ``table`` of holds the calling thread's while the block runs."""
-    previous = _local.acting
-    _local.acting = (holder, table)
+    local = _local
+    previous = local.holder, local.holds
+    local.holder, local.holds = holder, table
     try:
         yield
     finally:
-        _local.acting = previous
+        local.holder, local.holds = previous
 
 
 def _forget_holds_after_fork() -> None:
