@@ -222,7 +222,8 @@ class DistributedLock(LockAPI):
             mine[(self.alias, self.key)] = hold
             if self.renew or backend.session_bound:
                 watchdog().watch(hold, renew=self.renew)
-            logger.debug("Acquired lock %r on %r, token %d", self.name, self.alias, token)
+            if logger.isEnabledFor(logging.DEBUG):  # one call, where debug() makes two
+                logger.debug("Acquired lock %r on %r, token %d", self.name, self.alias, token)
             if lock_acquired.receivers:  # sending costs microseconds even to nobody
                 waited = hold.acquired - called
                 lock_acquired.send_robust(
@@ -353,7 +354,8 @@ class DistributedLock(LockAPI):
                 break
         if not released:
             self._lost(hold, "its lease was gone at release")
-        logger.debug("Released lock %r on %r", self.name, self.alias)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("Released lock %r on %r", self.name, self.alias)
         if lock_released.receivers:
             held = time.monotonic() - hold.acquired
             lock_released.send_robust(sender=type(self), name=self.name, alias=self.alias, token=hold.token, held=held)
