@@ -193,7 +193,13 @@ def main() -> None:
     print(" | ".join("---" if column == "backend" else "---:" for column in columns))
     for row in rows:
         cells = [
-            row[c] if isinstance(row[c], str) else f"{row[c]:,.2f}" if c.endswith("other") else f"{row[c]:,.0f}"
+            row[c]
+            if isinstance(row[c], str)
+            else f"{row[c]:,.2f}"
+            if c.endswith("other")
+            else f"{row[c]:,.1f}"
+            if c.endswith("µs")
+            else f"{row[c]:,.0f}"
             for c in columns
         ]
         print(" | ".join(cells))
