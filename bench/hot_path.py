@@ -3,8 +3,10 @@
     .venv/bin/python bench/hot_path.py [--cycles 2000] [--top 12] [--backends default mariadb_native redis ...]
                                       [--url redis://127.0.0.1:6379/15]
 
-For each backend: the median time of a cycle without the profiler, the
-server round trips a cycle makes, and, under cProfile, the share of a cycle
+For each backend (``locmem``, in this process's memory, is the core's cost
+alone; ``bench/cycle_cost.py`` counts its instructions): the median time of a
+cycle without the profiler, the server round trips a cycle makes, and, under
+cProfile, the share of a cycle
 spent in distlocks' own code, in Django, in the driver and waiting on the
 socket, then the functions that take the most time themselves. Run it before
 and after a change to the hot path: the round trips and the shares say where
@@ -41,7 +43,7 @@ from django.conf import settings  # noqa: E402
 import distlocks  # noqa: E402
 
 DATABASE_BACKENDS = ["default", "mariadb", "postgresql", "mariadb_native", "postgresql_native"]
-BACKENDS = [*DATABASE_BACKENDS, "redis", "zookeeper"]
+BACKENDS = ["locmem", *DATABASE_BACKENDS, "redis", "zookeeper"]
 ZK_PORT = int(os.environ.get("DISTLOCKS_BENCH_ZK_PORT", "12281")) + 10
 # The calls that each send one request to the server and wait for its answer: (a part of the file's path, function).
 ROUND_TRIPS = [
@@ -78,6 +80,7 @@ def configure(url: str) -> None:
     settings.CACHES["profile"] = {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": url}
     settings.DISTLOCKS = {
         **settings.DISTLOCKS,
+        "locmem": {"BACKEND": "distlocks.backends.locmem.LocMemBackend"},  # no server: the core's cost alone
         "redis": {"BACKEND": "distlocks.backends.redis.RedisBackend", "OPTIONS": {"CACHE": "profile"}},
         "zookeeper": {
             "BACKEND": "distlocks.backends.zookeeper.ZooKeeperBackend",

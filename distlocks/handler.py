@@ -29,6 +29,13 @@ BUILTIN_BACKENDS = (
 )
 
 
+class _Backends(threading.local):
+    """A thread's backend instances, by alias."""
+
+    def __init__(self) -> None:
+        self.backends: dict[str, BaseLockBackend] = {}
+
+
 class LockHandler(BaseConnectionHandler):
     """Create one backend instance per alias and thread, lazily.
 
@@ -41,7 +48,7 @@ class LockHandler(BaseConnectionHandler):
 
     def __init__(self, settings: dict[str, Any] | None = None) -> None:
         super().__init__(settings)
-        self._connections = threading.local()
+        self._connections = _Backends()
 
     def configure_settings(self, settings: dict[str, Any] | None) -> dict[str, Any]:
         if settings is None:
@@ -53,9 +60,7 @@ class LockHandler(BaseConnectionHandler):
         return settings
 
     def __getitem__(self, alias: str) -> BaseLockBackend:
-        backends: dict[str, BaseLockBackend] | None = getattr(self._connections, "backends", None)
-        if backends is None:
-            backends = self._connections.backends = {}
+        backends = self._connections.backends
         backend = backends.get(alias)
         if backend is None:
             if alias not in self.settings:
@@ -102,7 +107,7 @@ class LockHandler(BaseConnectionHandler):
         """Forget the settings and every backend instance (on ``setting_changed``)."""
         self.__dict__.pop("settings", None)
         self._settings = None
-        self._connections = threading.local()
+        self._connections = _Backends()
 
 
 def app_installed() -> bool:

@@ -32,8 +32,7 @@ class Holder(Protocol):
 
 def current_holder() -> Holder:
     """The holder the calling thread acts for: the task it runs a step of (``acting_for``), or itself."""
-    acting: tuple[Holder, dict[tuple[str, str], Hold]] | None = getattr(_local, "acting", None)
-    return threading.current_thread() if acting is None else acting[0]
+    return _local.holder
 
 
 @dataclass(eq=False)
@@ -84,35 +83,43 @@ class Hold:
         return self.lock_class.primitives(locks[self.alias])
 
 
-_local = threading.local()
+class _Local(threading.local):
+    """Who the calling thread acts for (itself, or a task: ``acting_for``) and that holder's holds.
+
+    Set up at the thread's first use and read as attributes, one read each:
+    every acquire and release reads them (``getattr`` with a default raised and
+    swallowed an AttributeError whenever the attribute was missing).
+    """
+
+    def __init__(self) -> None:
+        self.holder: Holder = threading.current_thread()
+        self.holds: dict[tuple[str, str], Hold] = {}
+
+
+_local = _Local()
 
 
 def holds() -> dict[tuple[str, str], Hold]:
     """Return the calling thread's holds (those of the task it acts for), keyed by (alias, key)."""
-    acting: tuple[Holder, dict[tuple[str, str], Hold]] | None = getattr(_local, "acting", None)
-    if acting is not None:
-        return acting[1]
-    found: dict[tuple[str, str], Hold] | None = getattr(_local, "holds", None)
-    if found is None:
-        found = _local.holds = {}
-    return found
+    return _local.holds
 
 
 @contextlib.contextmanager
 def acting_for(holder: Holder, table: dict[tuple[str, str], Hold]) -> Iterator[None]:
     """Make ``holder`` (a task) and its ``table`` of holds the calling thread's while the block runs."""
-    previous = getattr(_local, "acting", None)
-    _local.acting = (holder, table)
+    local = _local
+    previous = local.holder, local.holds
+    local.holder, local.holds = holder, table
     try:
         yield
     finally:
-        _local.acting = previous
+        local.holder, local.holds = previous
 
 
 def _forget_holds_after_fork() -> None:
     """A forked child holds nothing: the locks are its parent's."""
     global _local
-    _local = threading.local()
+    _local = _Local()
 
 
 os.register_at_fork(after_in_child=_forget_holds_after_fork)

@@ -38,19 +38,30 @@ Call = tuple[BaseLockBackend, str, tuple[Any, ...]]
 Steps = Generator[Call, Any, R]
 
 
-def run_steps(steps: Steps[R]) -> R:
+_DONE: Any = object()
+
+
+def run_steps(steps: Steps[None]) -> None:
     """Run ``steps`` in the calling thread: each call is made and its result (or error) sent back."""
-    result: Any = None
-    error: BaseException | None = None
+    # Steps that make no call (a hold recorded) end without a StopIteration raised and caught: that costs
+    # more than the rest of them (next() with a default drops what they return, so they return None).
+    call = next(steps, _DONE)
+    if call is _DONE:
+        return
     while True:
+        backend, method, args = call
         try:
-            backend, method, args = steps.send(result) if error is None else steps.throw(error)
-        except StopIteration as done:
-            return done.value
-        try:
-            result, error = getattr(backend, method)(*args), None
+            result = getattr(backend, method)(*args)
         except BaseException as exc:  # noqa: B036 - thrown into the step, where the call was
-            result, error = None, exc
+            try:
+                call = steps.throw(exc)
+            except StopIteration:
+                return
+            continue
+        try:
+            call = steps.send(result)
+        except StopIteration:
+            return
 
 
 class DistributedLock(LockAPI):
@@ -211,7 +222,8 @@ class DistributedLock(LockAPI):
             mine[(self.alias, self.key)] = hold
             if self.renew or backend.session_bound:
                 watchdog().watch(hold, renew=self.renew)
-            logger.debug("Acquired lock %r on %r, token %d", self.name, self.alias, token)
+            if logger.isEnabledFor(logging.DEBUG):  # one call, where debug() makes two
+                logger.debug("Acquired lock %r on %r, token %d", self.name, self.alias, token)
             if lock_acquired.receivers:  # sending costs microseconds even to nobody
                 waited = hold.acquired - called
                 lock_acquired.send_robust(
@@ -342,7 +354,8 @@ class DistributedLock(LockAPI):
                 break
         if not released:
             self._lost(hold, "its lease was gone at release")
-        logger.debug("Released lock %r on %r", self.name, self.alias)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("Released lock %r on %r", self.name, self.alias)
         if lock_released.receivers:
             held = time.monotonic() - hold.acquired
             lock_released.send_robust(sender=type(self), name=self.name, alias=self.alias, token=hold.token, held=held)

@@ -12,8 +12,6 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-_local = threading.local()
-
 
 @dataclass(frozen=True)
 class Owner:
@@ -46,17 +44,27 @@ class Owner:
         return self.description
 
 
+class _Local(threading.local):
+    """A thread's owner (made at its first lock) and the one it acts as (``acting_as``), read as attributes."""
+
+    owner: Owner | None = None
+    acting: Owner | None = None
+
+
+_local = _Local()
+
+
 def _forget_owners_after_fork() -> None:
     """A forked child is a new owner: its threads draw new secrets."""
     global _local
-    _local = threading.local()
+    _local = _Local()
 
 
 os.register_at_fork(after_in_child=_forget_owners_after_fork)
 
 
 def _thread_owner() -> Owner:
-    owner: Owner | None = getattr(_local, "owner", None)
+    owner = _local.owner
     if owner is None:
         thread = threading.current_thread()
         owner = Owner(
@@ -71,8 +79,11 @@ def _thread_owner() -> Owner:
 
 def current_owner() -> Owner:
     """Return the calling thread's owner identity (the task's, inside ``acting_as``)."""
-    owner = _thread_owner()
-    acting: Owner | None = getattr(_local, "acting", None)
+    local = _local
+    owner = local.owner
+    if owner is None:
+        owner = _thread_owner()
+    acting = local.acting
     if acting is not None and acting.pid == owner.pid:
         return acting
     return owner
@@ -110,7 +121,7 @@ def asyncio_task_owner(task_name: str) -> Owner:
 @contextlib.contextmanager
 def acting_as(owner: Owner) -> Iterator[Owner]:
     """Make ``owner`` the calling thread's identity (``current_owner()``) while the block runs."""
-    previous: Owner | None = getattr(_local, "acting", None)
+    previous = _local.acting
     _local.acting = owner
     try:
         yield owner

@@ -100,3 +100,19 @@ def test_the_hot_path_profile_counts_each_backends_round_trips():
         ("== default", True),
         ("== redis", True),
     ], completed.stdout
+
+
+def test_the_cycle_cost_comparison_runs():
+    completed = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "cycle_cost.py"), "--against", str(ROOT), "--backends", "locmem"]
+        + ["--rounds", "2", "--cycles", "20"],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    header, _, row = completed.stdout.splitlines()
+    assert header.split(" | ") == ["backend", "this µs", "other µs", "this / other"]
+    assert row.startswith("locmem | ")

@@ -11,7 +11,7 @@ import pytest
 import distlocks
 from distlocks.handler import locks
 from distlocks.owner import current_owner
-from distlocks.signals import lock_acquired, lock_lost, lock_released
+from distlocks.signals import lock_acquire_failed, lock_acquired, lock_lost, lock_released
 
 from .conftest import DB, LEASE_ALIASES, PROCESS_ALIASES
 
@@ -273,6 +273,43 @@ def test_function_decorator(lock_factory):
     job()
     job()
     assert calls == [False, False]
+
+
+@pytest.fixture
+def no_receivers():
+    """The lock's signals with nobody listening (as without distlocks.metrics and .tracing), restored after."""
+    signals = [lock_acquired, lock_released, lock_lost, lock_acquire_failed]
+    saved = [signal.receivers[:] for signal in signals]
+    for signal in signals:
+        signal.receivers.clear()
+        signal.sender_receivers_cache.clear()
+    yield
+    for signal, receivers in zip(signals, saved, strict=True):
+        signal.receivers[:] = receivers
+        signal.sender_receivers_cache.clear()
+
+
+@pytest.mark.usefixtures("no_receivers")
+def test_a_receiver_connected_after_the_lock_was_used_unheard_hears_what_follows(name):
+    """A lock sends nothing while nobody listens (sending costs even to nobody); one connected later hears all."""
+    lk = distlocks.lock(name, using="locmem")
+    with lk:  # nobody listens: nothing to hear
+        assert not in_thread(lambda: distlocks.lock(name, using="locmem").acquire(wait=0))
+    heard = []
+
+    def record(signal, **kwargs):
+        heard.append((signal, kwargs["name"]))
+
+    for signal in (lock_acquired, lock_released, lock_acquire_failed):
+        signal.connect(record)
+    with lk:
+        assert not in_thread(lambda: distlocks.lock(name, using="locmem").acquire(wait=0))
+    assert heard == [(lock_acquired, name), (lock_acquire_failed, name), (lock_released, name)]
+    for signal in (lock_acquired, lock_released, lock_acquire_failed):
+        signal.disconnect(record)
+    with lk:
+        pass
+    assert len(heard) == 3
 
 
 def test_signals_and_logs_keep_the_secret(lock_factory, caplog):
