@@ -204,22 +204,28 @@ def test_a_task_cancelled_at_any_turn_of_the_loop_after_its_take_leaves_the_lock
         async with other:
             await event.wait()
 
+    async def until(condition, what):
+        deadline = time.monotonic() + 30  # a wait that hangs fails here, naming itself
+        while not await asyncio.to_thread(condition):
+            assert time.monotonic() < deadline, f"{what}: not within 30 s"
+            await asyncio.sleep(0.01)
+
     async def main():
         for turns in range(8):
             release = asyncio.Event()
             if contended:
                 holding = asyncio.create_task(hold_until(release))
-                while await asyncio.to_thread(held.holder) is None:
-                    await asyncio.sleep(0.01)
+                await until(lambda: held.holder() is not None, "the other holder takes it")
             taken.clear()
             task = asyncio.create_task(take())
             if contended:
-                while not await asyncio.to_thread(waiting):
-                    await asyncio.sleep(0.01)
+                await until(waiting, "the task queues")
                 release.set()
-                await holding
+                await asyncio.wait_for(holding, 30)
+            deadline = time.monotonic() + 30
             while not taken.is_set():
                 assert not task.done(), task
+                assert time.monotonic() < deadline, f"the task is not handed it within 30 s ({turns} turns)"
                 await asyncio.sleep(0)
             for _ in range(turns):
                 await asyncio.sleep(0)
