@@ -186,6 +186,22 @@ def wait_until(condition, timeout=15.0):
         time.sleep(0.02)
 
 
+def taken_by_another_thread(lock):
+    """Whether another thread (another owner) takes ``lock`` at once; it gives back what it took."""
+    taken = []
+
+    def take():
+        taken.append(lock.acquire(wait=0))
+        if taken[0]:
+            lock.release()
+
+    thread = threading.Thread(target=take)
+    thread.start()
+    thread.join(30)
+    assert taken, "the other thread's acquire(wait=0) did not return within 30 s"
+    return taken[0]
+
+
 @pytest.fixture(autouse=True)
 def _close_lock_connections():
     # Lock connections live as long as their thread; the test databases can only

@@ -12,7 +12,7 @@ from django.db import connections
 import distlocks
 from distlocks.backends.postgresql import advisory_key
 from distlocks.handler import locks
-from tests.conftest import DB, Holder
+from tests.conftest import DB, Holder, taken_by_another_thread
 from tests.faults.conftest import free_elsewhere
 from tests.faults.test_native import until
 
@@ -109,21 +109,6 @@ def granted_while_stopped(key, holder, past):
     return thread, done
 
 
-def taken_elsewhere(lk):
-    """Whether another thread (another owner) takes ``lk`` at once; it gives it back."""
-    taken = []
-
-    def take():
-        taken.append(lk.acquire(wait=0))
-        if taken[0]:
-            lk.release()
-
-    thread = threading.Thread(target=take)
-    thread.start()
-    thread.join(30)
-    return taken == [True]
-
-
 def test_a_lock_granted_as_its_wait_is_cancelled_is_held_once_and_freed_by_its_release(bounded, name):
     # The wait (lock_timeout TIMEOUT) ends as the statement timeout (TIMEOUT) cancels it: 57014, after
     # the server granted the lock. The session keeps a session-level advisory lock whatever ended its statement.
@@ -164,4 +149,4 @@ def test_a_permit_granted_as_its_wait_is_cancelled_is_held_once_and_freed_by_its
     sem.release()
     assert _advisory(permit.key, granted=True) == set()
     assert locks[bounded].holder(permit.key) is None
-    assert taken_elsewhere(distlocks.semaphore(name, 1, using=bounded))
+    assert taken_by_another_thread(distlocks.semaphore(name, 1, using=bounded))

@@ -13,18 +13,20 @@ refused by the check (E012).
 from __future__ import annotations
 
 import re
-import weakref
 from typing import Any
 
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 
+from distlocks.backends.redis.perprocess import PerProcess
+
 DJANGO_REDIS = "django_redis.cache.RedisCache"
 DJANGO = "django.core.cache.backends.redis.RedisCache"
 BOTH = f"{DJANGO_REDIS} (django-redis) or {DJANGO} (Django's own)"
 
-# The client of each of Django's RedisCache objects (one per cache alias and thread, as Django makes them).
-_django_clients: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+# The clients Django's RedisCaches write with, by alias and CACHES entry: one per process, not one per thread
+# as Django makes its cache objects, so that a thread that ends (a check's ping) leaves no open sockets behind.
+_django_clients = PerProcess()
 
 
 class Refused(Exception):
@@ -132,13 +134,15 @@ def client_of(alias: str, cache_alias: str) -> Any:
 
 
 def _django_client(cache_alias: str) -> Any:
-    """The client Django's RedisCache ``cache_alias`` writes with (its first server), kept with the cache object."""
-    cache = _cache(cache_alias)
-    client = _django_clients.get(cache)
-    if client is None:
+    """The client Django's RedisCache ``cache_alias`` writes with (its first server), shared by this process."""
+    from django.conf import settings
+
+    def make() -> Any:
+        cache = _cache(cache_alias, fresh=True)
         check_django_client(cache)
-        client = _django_clients[cache] = cache._cache.get_client(None, write=True)
-    return client
+        return cache._cache.get_client(None, write=True)
+
+    return _django_clients.get((cache_alias, repr(settings.CACHES[cache_alias])), make)
 
 
 def addresses(entry: dict[str, Any] | None, cache_alias: str) -> list[str]:
@@ -201,11 +205,11 @@ def check(alias: str, cache_alias: str, timeouts: tuple[str, ...]) -> list[check
     ]
 
 
-def _cache(cache_alias: str) -> Any:
-    """The cache object of ``cache_alias`` (this thread's); Refused if it cannot be made."""
+def _cache(cache_alias: str, fresh: bool = False) -> Any:
+    """The cache object of ``cache_alias`` (this thread's, or a ``fresh`` one); Refused if it cannot be made."""
     from django.core.cache import caches
 
     try:
-        return caches[cache_alias]
+        return caches.create_connection(cache_alias) if fresh else caches[cache_alias]
     except Exception as exc:
         raise Refused(f"cannot be made: {exc}", _USE_ONE) from exc

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import difflib
 import inspect
-import os
-import threading
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
+
+from distlocks.backends.redis.perprocess import PerProcess
 
 #: Passed to redis-py unless ``CLUSTER_OPTIONS`` says otherwise: a node that does not answer raises in bounded time.
 DEFAULT_OPTIONS = {"socket_connect_timeout": 2, "socket_timeout": 5}
@@ -97,22 +97,13 @@ def address(seeds: Seeds) -> str:
     return "cluster " + ", ".join(f"{host}:{port}" for host, port in seeds)
 
 
-# This process's cluster clients, by alias, seeds and options (tests point an alias at other servers).
-_clients: dict[tuple[str, Seeds, str], Any] = {}
-_clients_lock = threading.Lock()
+_clients = PerProcess()
 
 
 def client(alias: str, seeds: Seeds, options: dict[str, Any]) -> Any:
     """This process's ``redis.cluster.RedisCluster`` for ``alias`` (thread-safe: shared by its threads)."""
     key = (alias, seeds, repr(sorted(options.items())))
-    found = _clients.get(key)
-    if found is not None:
-        return found
-    with _clients_lock:
-        found = _clients.get(key)
-        if found is None:
-            found = _clients[key] = _make(alias, seeds, options, asyncio=False)
-    return found
+    return _clients.get(key, lambda: _make(alias, seeds, options, asyncio=False))
 
 
 def async_client(alias: str, seeds: Seeds, options: dict[str, Any]) -> Any:
@@ -136,13 +127,3 @@ def is_cluster(client: Any) -> bool:
     from redis.cluster import RedisCluster
 
     return isinstance(client, RedisCluster)
-
-
-def _forget_clients_after_fork() -> None:
-    """A forked child makes clients of its own (redis-py's are not to be shared across a fork)."""
-    global _clients_lock
-    _clients_lock = threading.Lock()
-    _clients.clear()
-
-
-os.register_at_fork(after_in_child=_forget_clients_after_fork)
