@@ -18,6 +18,7 @@ then starts the process as before.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -189,6 +190,24 @@ def serve(path: str) -> dict:
             _reap(children)  # a child that ended before its connection was recorded
 
 
+def end_without_finalizing(code: object) -> None:
+    """End the child as the interpreter would, up to its atexit handlers, then skip its finalization.
+
+    Finalizing frees every module of the template's copy-on-write memory: 0.1-0.17 s a child, the test
+    waiting. Unflushed output is flushed; the kernel closes the sockets and files.
+    """
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError):  # the caller went away
+            stream.flush()
+    os._exit(code if isinstance(code, int) else int(code is not None))
+
+
 def _reap(children: dict[int, socket.socket]) -> None:
     while True:
         try:
@@ -225,4 +244,8 @@ if __name__ == "__main__":
     os.environ.clear()
     os.environ.update(request["env"])
     sys.argv = [tests.worker.__file__, *request["argv"]]
-    tests.worker.main(request["argv"])
+    try:
+        tests.worker.main(request["argv"])
+    except SystemExit as exit:
+        end_without_finalizing(exit.code)
+    end_without_finalizing(0)
