@@ -196,9 +196,8 @@ def end_without_finalizing(code: object) -> None:
     Finalizing frees every module of the template's copy-on-write memory: 0.1-0.17 s a child, the test
     waiting. Unflushed output is flushed; the kernel closes the sockets and files.
     """
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    threading._shutdown()  # type: ignore[attr-defined]  # the interpreter's own first step: the threads' exit hooks
+    # (an executor's workers are told to end), then it joins the non-daemon threads
     atexit._run_exitfuncs()
     if code is not None and not isinstance(code, int):
         print(code, file=sys.stderr)
