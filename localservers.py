@@ -313,6 +313,15 @@ class SentinelServers:
         [port] = ports
         return next(server for server in self.servers if server.port == port)
 
+    def _live_master(self) -> RedisServer | None:
+        import redis
+
+        try:
+            master = self.master()
+        except (redis.RedisError, RuntimeError):
+            return None
+        return master if master.process is not None else None
+
     def replicas(self) -> list[RedisServer]:
         master = self.master()
         return [server for server in self.servers if server is not master]
@@ -358,12 +367,21 @@ class SentinelServers:
         server.process = None
 
     def restore(self) -> None:
-        """Start every stopped data server again, as a replica of the master now, and wait until the group is ready."""
-        for server in self.servers:
+        """Go on with every frozen server, start every stopped sentinel and data server again (the latter as a replica
+        of the master now), and wait until the group is ready."""
+        for server in [*self.sentinels, *self.servers]:
             if server.process is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(server.process.pid, signal.SIGCONT)
-        master = self.master()
+        for sentinel in self.sentinels:  # with the configuration it rewrote: it knows what happened
+            if sentinel.process is None:
+                sentinel.start()
+                self.sentinel(sentinel).execute_command("SENTINEL DEBUG", *SENTINEL_DEBUG)
+        deadline = time.monotonic() + 30
+        while (master := self._live_master()) is None:  # the sentinels agree on a master that runs
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the sentinels of {self.data_ports} name no live master")
+            time.sleep(0.05)
         for i, server in enumerate(self.servers):
             if server.process is None:
                 self.servers[i] = self._data_server(server.port, master.port).start()
