@@ -151,6 +151,20 @@ def test_sentinels_that_do_not_answer_are_backend_unavailable_without_the_passwo
         assert "secret" not in text
 
 
+def test_one_sentinel_listed_is_a_warning(settings, redis_sentinel, name):
+    settings.DISTLOCKS = {
+        "one": {"BACKEND": REDIS, "OPTIONS": {"SENTINELS": SENTINELS[:1], "SERVICE": SENTINEL_SERVICE}}
+    }
+    [warning] = check_distlocks()
+    assert (warning.id, warning.msg) == (
+        "distlocks.W015",
+        "DISTLOCKS['one']['OPTIONS']['SENTINELS'] lists one sentinel: while it is down or unreachable, no new "
+        "connection finds the master, and locks raise BackendUnavailable.",
+    )
+    with distlocks.lock(name, using="one", wait=0):  # it works
+        pass
+
+
 def test_a_service_the_sentinels_do_not_watch_is_backend_unavailable(settings, redis_sentinel):
     settings.DISTLOCKS = {"other": {"BACKEND": REDIS, "OPTIONS": {"SENTINELS": SENTINELS, "SERVICE": "nope"}}}
     with pytest.raises(distlocks.BackendUnavailable, match="No master found for 'nope'"):

@@ -443,6 +443,6 @@ class RedisBackend(BaseLockBackend):
             logger.warning("%s %s", warning.msg, warning.hint)
 
     def check(self) -> list[checks.CheckMessage]:
-        if self.remote:  # its options were checked when it was made (E002), and its timeouts have defaults
-            return []
+        if self.remote:  # a cluster's or a Sentinel group's: its options were checked when it was made (E002)
+            return self.remote.check()
         return caches.check(self.alias, self.cache, TIMEOUTS)

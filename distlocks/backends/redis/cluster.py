@@ -15,6 +15,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
+from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 
 from distlocks.backends.redis.perprocess import PerProcess
@@ -40,6 +41,10 @@ class Cluster:
 
     def client(self) -> Any:
         return client(self.alias, self.seeds, self.options)
+
+    def check(self) -> list[checks.CheckMessage]:
+        """Nothing to say: its options were checked when it was made (E002), and its timeouts have defaults."""
+        return []
 
     def releases(self, client: Any) -> Any:
         """The process's hand-overs from the cluster, on its sync ``client`` (``shards``)."""

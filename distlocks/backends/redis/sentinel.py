@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 
 from distlocks.backends.redis.cluster import Seeds, seeds_of
@@ -62,6 +63,20 @@ class Group:
     def address(self) -> str:
         """The sentinels and the service, as messages and logs show them (no password: it is in the options)."""
         return f"Sentinel {', '.join(f'{host}:{port}' for host, port in self.sentinels)} (service {self.service!r})"
+
+    def check(self) -> list[checks.CheckMessage]:
+        """W015 if one sentinel is listed: while it is down, no new connection finds the master (no I/O)."""
+        if len(self.sentinels) > 1:
+            return []
+        return [
+            checks.Warning(
+                f"DISTLOCKS[{self.alias!r}]['OPTIONS']['SENTINELS'] lists one sentinel: while it is down or "
+                "unreachable, no new connection finds the master, and locks raise BackendUnavailable.",
+                hint="List every sentinel of the group (at least three, as Redis advises): redis-py asks the next "
+                "when one does not answer.",
+                id="distlocks.W015",
+            )
+        ]
 
     def client(self) -> Any:
         """This process's client of the master (thread-safe: shared by its threads); no I/O until its first call."""
