@@ -16,6 +16,7 @@ import pytest
 from django.core.exceptions import ImproperlyConfigured
 
 import distlocks
+from distlocks.backends.redis.aiowait import loop_releases
 from distlocks.backends.redis.keys import keys_of_lock, lock_hash
 from distlocks.checks import check_distlocks
 from distlocks.handler import locks
@@ -207,6 +208,91 @@ def test_a_task_is_handed_the_lock_at_the_release(redis_sentinel, name):
         return time.monotonic() - released
 
     assert asyncio.run(asyncio.wait_for(main(), 30)) < 0.5
+
+
+def test_a_hand_over_read_on_a_replica_is_not_trusted_and_the_channel_moves_to_the_master(redis_sentinel, name, caplog):
+    # A demoted master that kept this process's channel (Sentinel drops its connections, but a window or an
+    # operator's REPLICAOF may not) gets every message published on the master by replication, while the
+    # release counts the master's listeners alone: it skips the waiter, and the waiter reads "you have it".
+    releases = locks[ALIAS]._releases()
+    releases.discharge(releases.enlist("x"))  # subscribed now, if it was not
+    replica = redis_sentinel.replicas()[0]
+    releases.pubsub.connection.disconnect()
+    releases.pubsub.connection.connect_to(("127.0.0.1", replica.port))  # redis-py subscribes there again
+    assert redis_sentinel.client(replica).pubsub_numsub(releases.channel) == [(releases.channel.encode(), 1)]
+    holder = distlocks.lock(name, using=ALIAS, ttl=30)
+    holder.acquire()
+    master = redis_sentinel.client(redis_sentinel.master())
+    inside = []
+
+    def wait_for_it():
+        with distlocks.lock(name, using=ALIAS, ttl=30, wait=20) as lk:
+            inside.append(("waiter in", time.monotonic(), lk.token))
+            time.sleep(0.2)
+            inside.append(("waiter out", time.monotonic(), lk.token))
+
+    thread = threading.Thread(target=wait_for_it)
+    thread.start()
+    wait_until(lambda: master.zcard(keys_of_lock(holder.key)[2]) == 1)
+    with caplog.at_level("INFO", logger="distlocks.backends.redis.backend"):
+        holder.release()  # nobody listens on the master: the lock is free, and the message reaches the replica
+        other = distlocks.lock(name, using=ALIAS, ttl=30)
+        if other.acquire(wait=0):  # another owner takes it (unless the waiter, which queued anew, has it)
+            inside.append(("other in", time.monotonic(), other.token))
+            time.sleep(0.5)
+            inside.append(("other out", time.monotonic(), other.token))
+            other.release()
+        thread.join(20)
+    assert [event for event, _, _ in inside] in (
+        ["other in", "other out", "waiter in", "waiter out"],
+        ["waiter in", "waiter out"],
+    )
+    assert inside[-1][2] > holder.token if len(inside) == 2 else inside[2][2] > inside[0][2]
+    # It read the message (the replica had it), and took nothing on its word: the renewal found no hold.
+    assert "A lock handed over to a waiter was gone when it woke: queueing again" in caplog.messages
+    # Its channel moves to the master once silent for a second while a waiter waits.
+    with distlocks.lock(name, using=ALIAS, ttl=30):
+        thread = threading.Thread(target=wait_for_it)
+        thread.start()
+        wait_until(lambda: releases.pubsub.connection.port == redis_sentinel.master().port, timeout=10)
+    thread.join(10)
+    assert inside[-1][0] == "waiter out"
+
+
+def test_a_task_too_trusts_no_hand_over_read_on_a_replica_and_its_loops_channel_moves(redis_sentinel, name, caplog):
+    master = redis_sentinel.client(redis_sentinel.master())
+    replica = redis_sentinel.replicas()[0]
+    backend = locks[ALIAS]
+    queue = keys_of_lock(backend.make_key(name))[2]
+
+    async def take(wait):
+        async with distlocks.alock(name, using=ALIAS, ttl=30, wait=wait):
+            return True
+
+    async def main():
+        releases = loop_releases(backend.server, backend.new_loop_releases)  # its reader waits for a waiter
+        await releases.pubsub.subscribe(releases.channel)
+        await releases.pubsub.connection.disconnect()
+        await releases.pubsub.connection.connect_to(("127.0.0.1", replica.port))  # subscribed there again
+        assert redis_sentinel.client(replica).pubsub_numsub(releases.channel) == [(releases.channel.encode(), 1)]
+        holder = distlocks.lock(name, using=ALIAS, ttl=30)
+        assert await asyncio.to_thread(holder.acquire, wait=0)
+        waiter = asyncio.create_task(take(wait=20))
+        while not master.zcard(queue):
+            await asyncio.sleep(0.01)
+        await asyncio.to_thread(holder.release)  # the master skips the waiter; the replica has the message
+        assert await waiter
+        # Its channel moves to the master once silent for a second while a task waits.
+        async with distlocks.alock(name, using=ALIAS, ttl=30, wait=0):
+            other = asyncio.create_task(take(wait=10))
+            while releases.pubsub.connection.port != redis_sentinel.master().port:
+                await asyncio.sleep(0.05)
+        assert await other
+
+    with caplog.at_level("INFO", logger="distlocks.backends.redis.backend"):
+        asyncio.run(asyncio.wait_for(main(), 30))
+    assert "A lock handed over to a waiter was gone when it woke: queueing again" in caplog.messages
+    assert taken_by_another_thread(distlocks.lock(name, using=ALIAS))
 
 
 @pytest.mark.parametrize("alias", [ALIAS], indirect=True)

@@ -8,6 +8,7 @@ master.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -35,6 +36,13 @@ class LoopSentinelReleases(LoopReleases):
                 logger.warning("Redis release channel on %s:%s, no longer the master: moving", *server)
                 await self._reconnect()
         await super()._step()
+
+    async def _reconnect(self) -> None:
+        """As ``SentinelReleases.reconnect``: connect to the master of now, which subscribes again."""
+        connection = self.pubsub.connection
+        await connection.disconnect()
+        with contextlib.suppress(*driver_errors()):
+            await connection.connect()
 
     async def _close(self) -> None:
         """Close the client and its sentinels' clients (``Sentinel`` leaves those open)."""

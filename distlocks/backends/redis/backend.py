@@ -69,6 +69,8 @@ class RedisBackend(BaseLockBackend):
         # An acquisition counts once this many replicas acknowledge it, within the timeout (see ``replicas``).
         is_cluster = isinstance(self.remote, cluster.Cluster)
         self.wait_replicas, self.wait_timeout = replicas.configured(alias, self.options, is_cluster)
+        # Whether a hand-over is renewed before it counts (see ``_handed_over``).
+        self.confirm_handovers = bool(self.wait_replicas) or isinstance(self.remote, sentinel.Group)
         # This thread's waits (instances are per thread): each key's waiter, and how long the last attempt said to wait.
         self._waiting: dict[str, Waiter] = {}
         self._wait_hint: dict[str, float] = {}
@@ -207,12 +209,12 @@ class RedisBackend(BaseLockBackend):
         so counted and takes the lock with no request (the common case). One
         that waited longer renews it first (``calls.renewal``), and its lease counts
         from this attempt, sent before the renewal: the lease may have run out
-        and the lock gone to someone else (then it queues again). With
-        WAIT_REPLICAS, a hand-over the waiter has not ``confirmed`` with a write
-        of its own is renewed too: the releaser's connection wrote it.
+        and the lock gone to someone else (then it queues again). A hand-over not ``confirmed`` by a write of
+        the waiter's own is renewed too with WAIT_REPLICAS (the releaser's connection wrote it), and on
+        Sentinel: a demoted master that kept the channel gets the message by replication, uncounted.
         """
         waiter.token = 0
-        if (confirmed or not self.wait_replicas) and time.monotonic() - waiter.queued_at <= ttl / 3:
+        if (confirmed or not self.confirm_handovers) and time.monotonic() - waiter.queued_at <= ttl / 3:
             return Granted(token, waiter.queued_at)
         script, keys, args = calls.renewal
         answer = yield script, keys, [*args, token]

@@ -18,6 +18,7 @@ the lock before. ``WAIT_REPLICAS`` makes that less likely, not impossible.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import inspect
 import logging
@@ -222,3 +223,14 @@ class SentinelReleases(Releases):
                 logger.warning("Redis release channel on %s:%s, no longer the master: moving", *server)
                 self.reconnect()
         super()._read(timeout)
+
+    def reconnect(self) -> None:
+        """Drop the channel's connection and connect to the master of now, which subscribes again.
+
+        redis-py would reconnect a dropped connection at its next command to
+        the address it had; its ``connect()`` asks the sentinels.
+        """
+        connection = self.pubsub.connection
+        connection.disconnect()
+        with contextlib.suppress(*driver_errors()):  # the read that follows says what is wrong
+            connection.connect()
