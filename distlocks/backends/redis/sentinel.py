@@ -7,8 +7,10 @@ on an event loop): a connection asks the sentinels for the master when it
 connects, and one that finds its server demoted (``READONLY``) or gone
 reconnects to the new master. The hand-overs' pub/sub connection does the
 same, and resubscribes there (``SentinelReleases``); while waiters wait, a
-silent channel also checks, at each ping, that its server is still the
-master the sentinels name.
+silent channel also checks, before each ping, that its server is still the
+master the sentinels name. A waiter renews a hand-over before it counts
+(``RedisBackend._handed_over``): a demoted master that kept a channel gets
+the new master's messages by replication, which its releases did not count.
 
 Guarantees: Sentinel's failover is asynchronous. A hold that the promoted
 replica had not received is lost with the old master: its holder is told at
