@@ -13,7 +13,7 @@ import logging
 from typing import Any
 
 from distlocks.backends.redis.aiowait import LoopReleases
-from distlocks.backends.redis.sentinel import Group, about_to_ping, connected_to
+from distlocks.backends.redis.handover import about_to_ping, connected_to
 from distlocks.backends.redis.server import driver_errors
 
 logger = logging.getLogger(__name__)
@@ -22,14 +22,14 @@ logger = logging.getLogger(__name__)
 class LoopSentinelReleases(LoopReleases):
     """An event loop's client of the master and its hand-overs (``LoopReleases``, and as ``SentinelReleases``)."""
 
-    def __init__(self, group: Group, client: Any) -> None:
+    def __init__(self, service: str, client: Any) -> None:
         super().__init__(client)
-        self.group = group
+        self.service = service  # the master's name, as the sentinels know it
 
     async def _step(self) -> None:
         if self.waiters and about_to_ping(self.silence) and (server := connected_to(self.pubsub)):
             try:
-                master = await self.listener.connection_pool.sentinel_manager.discover_master(self.group.service)
+                master = await self.listener.connection_pool.sentinel_manager.discover_master(self.service)
             except driver_errors():
                 master = server
             if (str(master[0]), int(master[1])) != server:

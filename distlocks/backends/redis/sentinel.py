@@ -24,7 +24,6 @@ import contextlib
 import difflib
 import inspect
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +31,7 @@ from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 
 from distlocks.backends.redis.cluster import Seeds, seeds_of
-from distlocks.backends.redis.handover import PING_AFTER, Releases, Silence
+from distlocks.backends.redis.handover import Releases, about_to_ping, connected_to
 from distlocks.backends.redis.perprocess import PerProcess
 from distlocks.backends.redis.server import driver_errors
 
@@ -87,13 +86,13 @@ class Group:
 
     def releases(self, client: Any) -> SentinelReleases:
         """The process's hand-overs from the master, on the sync ``client`` of it."""
-        return SentinelReleases(self, client)
+        return SentinelReleases(self.service, client)
 
     def loop_releases(self, client: Any) -> Any:
         """The running event loop's client of the master and hand-overs (``aiosentinel``); ``client`` is unused."""
         from distlocks.backends.redis.aiosentinel import LoopSentinelReleases
 
-        return LoopSentinelReleases(self, self._make(asyncio=True))
+        return LoopSentinelReleases(self.service, self._make(asyncio=True))
 
     def _make(self, asyncio: bool) -> Any:
         try:
@@ -191,16 +190,6 @@ def _accepted() -> list[str]:
     return sorted(own - {"host", "port", "decode_responses", "connection_pool", "unix_socket_path", "from_url"})
 
 
-def connected_to(pubsub: Any) -> tuple[str, int] | None:
-    """The server of ``pubsub``'s connection, if it has one now."""
-    connection = pubsub.connection
-    return None if connection is None or not connection.host else (str(connection.host), int(connection.port))
-
-
-def about_to_ping(silence: Silence) -> bool:
-    return silence.pinged_at is None and time.monotonic() - silence.heard_at >= PING_AFTER
-
-
 class SentinelReleases(Releases):
     """The process's hand-overs from the master (see ``Releases``), read on a pub/sub connection there.
 
@@ -211,14 +200,14 @@ class SentinelReleases(Releases):
     dropping its subscribers would no longer see the releases.
     """
 
-    def __init__(self, group: Group, client: Any) -> None:
+    def __init__(self, service: str, client: Any) -> None:
         super().__init__(client)
-        self.group = group
+        self.service = service  # the master's name, as the sentinels know it
 
     def _read(self, timeout: float) -> None:
         if self.waiters and about_to_ping(self.silence) and (server := connected_to(self.pubsub)):
             try:
-                master = self.listener.connection_pool.sentinel_manager.discover_master(self.group.service)
+                master = self.listener.connection_pool.sentinel_manager.discover_master(self.service)
             except driver_errors():  # the ping below says what is wrong
                 master = server
             if (str(master[0]), int(master[1])) != server:
