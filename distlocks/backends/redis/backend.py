@@ -404,8 +404,8 @@ class RedisBackend(BaseLockBackend):
 
     @property
     def server(self) -> tuple[str, str]:
-        """The cache alias and address: what this process keeps one of per server (its hand-overs, its look at it)."""
-        return self.cache, self.address
+        """The cache alias (or lock alias: options may differ) and address: one set of hand-overs each per process."""
+        return self.cache or self.alias, self.address
 
     @property
     def address(self) -> str:
