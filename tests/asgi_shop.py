@@ -13,6 +13,7 @@ import asyncio
 import os
 import threading
 import time
+from typing import Any
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
 
@@ -30,7 +31,7 @@ import distlocks.backends.db.connections as lock_connections  # noqa: E402
 from demo_shop.shop.models import Stock  # noqa: E402
 from distlocks.decorators import distributed_lock  # noqa: E402
 
-_most = {"threads": 0, "lock_threads": 0, "connections": 0}
+_most: dict[str, Any] = {"threads": 0, "lock_threads": 0, "connections": 0, "connection_threads": []}
 
 
 def _sample() -> None:
@@ -38,7 +39,9 @@ def _sample() -> None:
         running = threading.enumerate()
         _most["threads"] = max(_most["threads"], len(running))
         _most["lock_threads"] = max(_most["lock_threads"], sum(t.name.startswith("distlocks") for t in running))
-        _most["connections"] = max(_most["connections"], len(lock_connections._opened))
+        opened = list(lock_connections._opened.values())
+        if len(opened) > _most["connections"]:  # the threads the connections serve, at the most
+            _most["connections"], _most["connection_threads"] = len(opened), sorted(t.name for t in opened)
         time.sleep(0.002)
 
 
