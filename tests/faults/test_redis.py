@@ -22,7 +22,7 @@ from distlocks.backends.redis.keys import keys_of_lock, lock_hash
 from distlocks.checks import check_distlocks
 from distlocks.handler import locks
 from localservers import REDIS_PORT
-from tests.conftest import DB, Holder
+from tests.conftest import DB, Holder, taken_by_another_thread
 from tests.faults.conftest import FreezableProxy, free_elsewhere, frozen
 from tests.faults.test_core import until
 from tests.faults.test_interrupts import Interrupted, raising_on
@@ -298,22 +298,6 @@ def timed_out_acquire(server, lk, call="acquire"):
         send()
 
 
-def taken_by_another_thread(make_lock, wait):
-    """Whether another thread (another owner) takes ``make_lock()`` within ``wait`` seconds; it gives it back."""
-    result = []
-
-    def take():
-        other = make_lock()
-        result.append(other.acquire(wait=wait))
-        if result[0]:
-            other.release()
-
-    thread = threading.Thread(target=take)
-    thread.start()
-    thread.join(wait + 30)
-    return result[0]
-
-
 def proxied_alias(settings, server):
     """Make lock alias "proxied": ``server`` (alias "own") reached through a FreezableProxy; return the proxy."""
     proxy = FreezableProxy(server.port)
@@ -325,7 +309,7 @@ def proxied_alias(settings, server):
 
 def taken_elsewhere(name, wait):
     """Whether another thread takes the lock ``name`` on the alias "own" within ``wait`` seconds."""
-    return taken_by_another_thread(lambda: distlocks.lock(name, using="own", ttl=30), wait)
+    return taken_by_another_thread(distlocks.lock(name, using="own", ttl=30), wait)
 
 
 def test_an_acquire_run_after_its_client_gave_up_does_not_keep_the_lock_for_its_ttl(own_redis, name, caplog):
@@ -411,7 +395,7 @@ SIDES_OF_LOCKS = {
 
 def writable_elsewhere(name, kind):
     """Whether another thread takes at once what excludes ``kind``: the lock, or the read-write lock's write side."""
-    return taken_by_another_thread(lambda: SIDES_OF_LOCKS["lock" if kind == "lock" else "write side"](name), 0)
+    return taken_by_another_thread(SIDES_OF_LOCKS["lock" if kind == "lock" else "write side"](name))
 
 
 @pytest.mark.parametrize("kind", list(SIDES_OF_LOCKS))
