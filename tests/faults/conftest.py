@@ -16,7 +16,6 @@ from django.conf import settings
 from django.db import connections
 from django.test import override_settings
 
-import distlocks
 from distlocks.backends.db import close_connections
 from localservers import RedisServer, answers
 
@@ -170,22 +169,6 @@ class FreezableProxy:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)  # wakes the pipe threads; close() alone would not
             sock.close()
-
-
-def free_elsewhere(name, alias, **lock_options):
-    """Whether another thread (another owner) takes the lock at once; it gives it back."""
-    result = []
-
-    def take():
-        lk = distlocks.lock(name, using=alias, **lock_options)
-        result.append(lk.acquire(wait=0))
-        if result[0]:
-            lk.release()
-
-    thread = threading.Thread(target=take)
-    thread.start()
-    thread.join(30)
-    return result[0]
 
 
 def _free_port():

@@ -23,7 +23,7 @@ from distlocks.checks import check_distlocks
 from distlocks.handler import locks
 from localservers import REDIS_PORT
 from tests.conftest import DB, Holder, taken_by_another_thread
-from tests.faults.conftest import FreezableProxy, free_elsewhere, frozen
+from tests.faults.conftest import FreezableProxy, frozen
 from tests.faults.test_core import until
 from tests.faults.test_interrupts import Interrupted, raising_on
 
@@ -146,7 +146,7 @@ def test_every_name_is_a_lock_of_its_own_in_one_cluster_slot(own_redis):
     try:
         client, backend = get_redis_connection("own"), locks["own"]
         for lk in held:
-            assert not free_elsewhere(lk.name, "own")  # each is taken
+            assert not taken_by_another_thread(distlocks.lock(lk.name, using="own"))  # each is taken
             lock_hash, fence, queue = keys_of_lock(lk.key)
             assert client.exists(lock_hash, fence) == 2
             assert key_slot(lock_hash.encode()) == key_slot(fence.encode()) == key_slot(queue.encode())
@@ -156,7 +156,7 @@ def test_every_name_is_a_lock_of_its_own_in_one_cluster_slot(own_redis):
         for lk in held:
             lk.release()
     for name in names:
-        assert free_elsewhere(name, "own")
+        assert taken_by_another_thread(distlocks.lock(name, using="own"))
 
 
 def test_force_release_with_a_stale_token_leaves_the_next_holder_alone(name):
@@ -509,7 +509,7 @@ def test_a_release_that_never_reached_a_frozen_server_frees_the_lock_once_it_ans
                 finally:
                     signal.setitimer(signal.ITIMER_REAL, 0)
     assert lk.hold_count == 0
-    until(lambda: free_elsewhere(name, "own"), seconds=5)  # not after its 30 s lease
+    until(lambda: taken_by_another_thread(distlocks.lock(name, using="own")), seconds=5)  # not after its 30 s lease
 
 
 def test_a_release_that_reaches_the_server_late_leaves_its_owners_next_acquisition_alone(own_redis, settings, name):
@@ -534,7 +534,7 @@ def test_a_release_that_reaches_the_server_late_leaves_its_owners_next_acquisiti
         # Thawed: the old release runs, then its connection ends.
         until(lambda: not stale & {entry["addr"] for entry in client.client_list()})
         assert client.hget(lock_hash(again.key), "token") == str(again.token).encode()
-        assert not free_elsewhere(name, "own")
+        assert not taken_by_another_thread(distlocks.lock(name, using="own"))
         assert not again.lost
         again.release()
     finally:
@@ -566,7 +566,7 @@ def test_a_renewal_that_reaches_the_server_late_leaves_its_owners_next_lease_alo
         # Thawed: the late renewal runs.
         until(lambda: scripts_run() > before)
         assert client.pttl(lock_hash(again.key)) > 25_000
-        assert not free_elsewhere(name, "own")
+        assert not taken_by_another_thread(distlocks.lock(name, using="own"))
         again.release()
     finally:
         proxy.close()
