@@ -86,10 +86,15 @@ def test_an_interrupted_acquire_leaves_the_lock_free(alias, name, lock_factory):
     assert taken_by_another_thread(distlocks.lock(name, using=alias))
 
 
-@pytest.mark.parametrize("alias", ["default", "postgresql"], indirect=True)
-def test_a_hung_server_stops_neither_other_renewals_nor_the_loss_of_its_own_locks(alias, name, lock_factory, own_redis):
+# The hung server's cache: django-redis's, or Django's own RedisCache (its client shared by the process's threads).
+@pytest.mark.parametrize(
+    ("alias", "cache"), [("default", "redis"), ("postgresql", "redis"), ("default", "redis_django")], indirect=["alias"]
+)
+def test_a_hung_server_stops_neither_other_renewals_nor_the_loss_of_its_own_locks(
+    alias, name, lock_factory, own_redis, cache
+):
     # No SOCKET_TIMEOUT: a renewal on the frozen server hangs until it wakes.
-    server = own_redis(REDIS_PORT + 30, SOCKET_CONNECT_TIMEOUT=1)
+    server = own_redis(REDIS_PORT + 30, SOCKET_CONNECT_TIMEOUT=1, cache=cache)
     lost = []
 
     def on_lost(sender, name, alias, **kwargs):
