@@ -481,17 +481,6 @@ def test_a_black_holed_nodes_backlog_stays_bounded_and_it_is_back_in_the_rounds_
         # Back soon after the thaw: what it kept drains, and a fresh round reaches it within its deadline.
         _until(lambda: redlock_workers.backlog(cache)[0] == 0, f"{queued} queued at the thaw", seconds=5.0)
         drained = time.monotonic() - thawed
-        print(
-            "DEBUG",
-            max(sizes),
-            dropped,
-            len(before),
-            len(during),
-            statistics.median(before),
-            statistics.median(during),
-            queued,
-            drained,
-        )
         assert drained < 2.0
         key, owner = backend.make_key(name), current_owner()
         answers = backend._ask(lambda node: node.take_at_least(key, owner, 1, 0) or 0, deadline)
