@@ -186,19 +186,20 @@ def wait_until(condition, timeout=15.0):
         time.sleep(0.02)
 
 
-def taken_by_another_thread(lock):
-    """Whether another thread (another owner) takes ``lock`` at once; it gives back what it took."""
+def taken_by_another_thread(lock, wait=0):
+    """Whether another thread (another owner) takes ``lock`` within ``wait`` seconds (0: at once); it gives back
+    what it took."""
     taken = []
 
     def take():
-        taken.append(lock.acquire(wait=0))
+        taken.append(lock.acquire(wait=wait))
         if taken[0]:
             lock.release()
 
     thread = threading.Thread(target=take)
     thread.start()
-    thread.join(30)
-    assert taken, "the other thread's acquire(wait=0) did not return within 30 s"
+    thread.join(wait + 30)
+    assert taken, f"the other thread's acquire(wait={wait}) did not return within {wait + 30} s"
     return taken[0]
 
 

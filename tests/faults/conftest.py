@@ -16,31 +16,49 @@ from django.conf import settings
 from django.db import connections
 from django.test import override_settings
 
-import distlocks
 from distlocks.backends.db import close_connections
 from localservers import RedisServer, answers
+
+# What ``own_redis(cache=...)`` takes: the tests' caches of each kind, django-redis's and Django's own RedisCache.
+REDIS_CACHES = ["redis", "redis_django"]
+# django-redis's names of the OPTIONS the tests set, and redis-py's, which Django's own RedisCache takes.
+REDIS_PY_NAMES = {"SOCKET_CONNECT_TIMEOUT": "socket_connect_timeout", "SOCKET_TIMEOUT": "socket_timeout"}
+
+
+def cache_options(backend, options):
+    """django-redis ``options`` as the cache ``backend`` takes them: as they are, or for Django's own RedisCache
+    (which passes its OPTIONS to redis-py's pool) in redis-py's names, CONNECTION_POOL_KWARGS among them."""
+    if backend.startswith("django_redis."):
+        return options
+    options = dict(options)
+    pool_options = options.pop("CONNECTION_POOL_KWARGS", {})
+    return {REDIS_PY_NAMES[name]: value for name, value in options.items()} | pool_options
 
 
 @pytest.fixture
 def own_redis(settings):
-    """Return ``start(port, *server_args, **cache_options)``: a Redis of the test's own as lock alias "own".
+    """Return ``start(port, *server_args, cache="redis", **options)``: a Redis of the test's own as lock
+    alias "own".
 
-    ``cache_options`` are the django-redis cache's OPTIONS (default: connect
-    and socket timeouts of 1 and 2 s). The server may be frozen
+    Its cache "own" has the BACKEND of the tests' cache ``cache``: "redis"
+    (django-redis) or "redis_django" (Django's own RedisCache, whose client
+    distlocks keeps one per process). ``options`` are written as django-redis's
+    OPTIONS (default: connect and socket timeouts of 1 and 2 s) and passed to
+    Django's cache in redis-py's names. The server may be frozen
     (``frozen(server)``), restarted or killed without disturbing other tests.
     """
     servers = []
 
-    def start(port, *server_args, **cache_options):
+    def start(port, *server_args, cache="redis", **options):
         assert not answers(port), f"port {port} is taken"
         servers.append(RedisServer(port, *server_args).start())
-        options = cache_options or {"SOCKET_CONNECT_TIMEOUT": 1, "SOCKET_TIMEOUT": 2}
+        backend = settings.CACHES[cache]["BACKEND"]
         settings.CACHES = {
             **settings.CACHES,
             "own": {
-                "BACKEND": "django_redis.cache.RedisCache",
+                "BACKEND": backend,
                 "LOCATION": f"redis://127.0.0.1:{port}/0",
-                "OPTIONS": options,
+                "OPTIONS": cache_options(backend, options or {"SOCKET_CONNECT_TIMEOUT": 1, "SOCKET_TIMEOUT": 2}),
             },
         }
         settings.DISTLOCKS = {
@@ -170,22 +188,6 @@ class FreezableProxy:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)  # wakes the pipe threads; close() alone would not
             sock.close()
-
-
-def free_elsewhere(name, alias, **lock_options):
-    """Whether another thread (another owner) takes the lock at once; it gives it back."""
-    result = []
-
-    def take():
-        lk = distlocks.lock(name, using=alias, **lock_options)
-        result.append(lk.acquire(wait=0))
-        if result[0]:
-            lk.release()
-
-    thread = threading.Thread(target=take)
-    thread.start()
-    thread.join(30)
-    return result[0]
 
 
 def _free_port():

@@ -15,8 +15,8 @@ from distlocks.handler import locks
 from distlocks.inspection import force_release
 from distlocks.owner import acting_as, task_owner
 from distlocks.signals import lock_acquired, lock_lost
-from tests.conftest import ALIASES, DB, LEASE_ALIASES, REDIS_PORT, Holder
-from tests.faults.conftest import FreezableProxy, free_elsewhere, frozen
+from tests.conftest import ALIASES, DB, LEASE_ALIASES, REDIS_PORT, Holder, taken_by_another_thread
+from tests.faults.conftest import FreezableProxy, frozen
 
 pytestmark = [DB, pytest.mark.servers("redis", "zookeeper")]
 
@@ -49,9 +49,9 @@ def test_locks_are_still_renewed_after_a_lock_lost_receiver_raised(alias, name, 
         assert first.lost
         time.sleep(2)  # more than three leases of the second lock
         assert not second.lost
-        assert not free_elsewhere(name, alias)
+        assert not taken_by_another_thread(distlocks.lock(name, using=alias))
         second.release()
-        assert free_elsewhere(name, alias)
+        assert taken_by_another_thread(distlocks.lock(name, using=alias))
     finally:
         lock_lost.disconnect(receiver)
 
@@ -63,10 +63,10 @@ def test_acquire_holds_the_lock_when_a_lock_acquired_receiver_raises(alias, name
     try:
         lk = lock_factory()
         with lk:
-            assert not free_elsewhere(name, alias)
+            assert not taken_by_another_thread(distlocks.lock(name, using=alias))
         assert "a broken lock_acquired receiver" in caplog.text
         assert lk.hold_count == 0
-        assert free_elsewhere(name, alias)
+        assert taken_by_another_thread(distlocks.lock(name, using=alias))
     finally:
         lock_acquired.disconnect(receiver)
 
@@ -83,13 +83,18 @@ def test_an_interrupted_acquire_leaves_the_lock_free(alias, name, lock_factory):
     finally:
         lock_acquired.disconnect(receiver)
     assert lk.hold_count == 0
-    assert free_elsewhere(name, alias)
+    assert taken_by_another_thread(distlocks.lock(name, using=alias))
 
 
-@pytest.mark.parametrize("alias", ["default", "postgresql"], indirect=True)
-def test_a_hung_server_stops_neither_other_renewals_nor_the_loss_of_its_own_locks(alias, name, lock_factory, own_redis):
+# The hung server's cache: django-redis's, or Django's own RedisCache (its client shared by the process's threads).
+@pytest.mark.parametrize(
+    ("alias", "cache"), [("default", "redis"), ("postgresql", "redis"), ("default", "redis_django")], indirect=["alias"]
+)
+def test_a_hung_server_stops_neither_other_renewals_nor_the_loss_of_its_own_locks(
+    alias, name, lock_factory, own_redis, cache
+):
     # No SOCKET_TIMEOUT: a renewal on the frozen server hangs until it wakes.
-    server = own_redis(REDIS_PORT + 30, SOCKET_CONNECT_TIMEOUT=1)
+    server = own_redis(REDIS_PORT + 30, SOCKET_CONNECT_TIMEOUT=1, cache=cache)
     lost = []
 
     def on_lost(sender, name, alias, **kwargs):
@@ -109,7 +114,7 @@ def test_a_hung_server_stops_neither_other_renewals_nor_the_loss_of_its_own_lock
             assert lost[0][1] - frozen_at < 0.9 + 0.5
             time.sleep(2)  # more than two leases of the other lock
             assert not elsewhere.lost
-            assert not free_elsewhere(name, alias)
+            assert not taken_by_another_thread(distlocks.lock(name, using=alias))
         elsewhere.release()
         with pytest.raises(distlocks.LockLost):
             on_hung.release()
@@ -127,9 +132,9 @@ def test_the_outer_hold_stays_renewed_when_an_inner_release_fails(name, own_redi
     assert lk.hold_count == 1
     time.sleep(3.5)  # more than two leases: the outer critical section goes on
     assert not lk.lost
-    assert not free_elsewhere(name, "own")
+    assert not taken_by_another_thread(distlocks.lock(name, using="own"))
     lk.release()
-    assert free_elsewhere(name, "own")
+    assert taken_by_another_thread(distlocks.lock(name, using="own"))
 
 
 def _interrupt(thread):
@@ -149,9 +154,9 @@ def test_renewals_go_on_when_the_watchdog_threads_are_interrupted(alias, name, l
                 _interrupt(thread)
         time.sleep(2)  # more than three leases
     assert not lk.lost
-    assert not free_elsewhere(name, alias)
+    assert not taken_by_another_thread(distlocks.lock(name, using=alias))
     lk.release()
-    assert free_elsewhere(name, alias)
+    assert taken_by_another_thread(distlocks.lock(name, using=alias))
 
 
 @pytest.mark.parametrize("alias", ALIASES, indirect=True)
@@ -180,10 +185,10 @@ def test_a_thread_that_ends_holding_a_zookeeper_lock_frees_it(name, renew):
     thread = threading.Thread(target=take_and_end)
     thread.start()
     assert taken.wait(30)
-    assert not free_elsewhere(name, "zookeeper")
+    assert not taken_by_another_thread(distlocks.lock(name, using="zookeeper"))
     end.set()
     thread.join()
-    until(lambda: free_elsewhere(name, "zookeeper"), seconds=5)
+    until(lambda: taken_by_another_thread(distlocks.lock(name, using="zookeeper")), seconds=5)
 
 
 @pytest.mark.parametrize("alias", ["default", "redis"], indirect=True)
@@ -214,7 +219,7 @@ def test_reentering_with_a_shorter_ttl_does_not_cut_the_outer_lease(alias, name,
     inner.acquire()
     inner.release()
     time.sleep(0.6)
-    assert not free_elsewhere(name, alias)
+    assert not taken_by_another_thread(distlocks.lock(name, using=alias))
     outer.release()
 
 
@@ -274,7 +279,7 @@ def test_renewals_go_on_on_new_connections_when_a_renewal_is_stuck_on_a_black_ho
         second = Holder(name, "own", ttl=0.9)
         time.sleep(3)  # more than three leases
         assert lost == [f"{name}-first"]
-        assert not free_elsewhere(name, "own")
+        assert not taken_by_another_thread(distlocks.lock(name, using="own"))
         assert second.release() is None
     finally:
         lock_lost.disconnect(on_lost)

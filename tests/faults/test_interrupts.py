@@ -20,9 +20,9 @@ from django.db import connections
 import distlocks
 from distlocks.handler import locks
 from distlocks.signals import lock_lost
-from tests.conftest import DB, NATIVE_ALIASES, Holder
+from tests.conftest import DB, NATIVE_ALIASES, Holder, taken_by_another_thread
 from tests.faults import test_zookeeper
-from tests.faults.conftest import behind_proxy, free_elsewhere, frozen
+from tests.faults.conftest import behind_proxy, frozen
 from tests.faults.test_db import OTHER_SIDE, is_commit, table_locked, take_side, voids_pending
 from tests.faults.test_native import queued, until
 from tests.faults.test_zookeeper import own_aliases
@@ -78,7 +78,7 @@ def test_a_waiter_interrupted_in_the_servers_queue_leaves_the_lock_free(alias, n
             distlocks.lock(name, using=alias).acquire(wait=20)
         helper.join(30)
     assert holder.error is None
-    until(lambda: free_elsewhere(name, alias), seconds=10, what="the lock coming free")
+    until(lambda: taken_by_another_thread(distlocks.lock(name, using=alias)), seconds=10, what="the lock coming free")
 
 
 @pytest.mark.parametrize("alias", NATIVE_ALIASES, indirect=True)
@@ -109,11 +109,11 @@ def test_a_holder_whose_reentry_is_interrupted_is_told_at_once_that_the_lock_is_
                 helper.join(30)
             assert lk.lost, "the holder goes on as if it held the lock"
             until(lambda: lost == [token], seconds=5, what="lock_lost")
-            assert not free_elsewhere(name, alias), "free while the holder's lease lives"
+            assert not taken_by_another_thread(distlocks.lock(name, using=alias)), "free while the holder's lease lives"
             assert lk.hold_count == 1
             with pytest.raises(distlocks.LockLost):
                 lk.release()
-            assert free_elsewhere(name, alias), "the lease outlived the release"
+            assert taken_by_another_thread(distlocks.lock(name, using=alias)), "the lease outlived the release"
     finally:
         lock_lost.disconnect(on_lost)
 
@@ -144,7 +144,9 @@ def test_an_insert_interrupted_while_it_waits_for_the_lock_table_leaves_the_lock
             distlocks.lock(name, using=alias, ttl=60).acquire(wait=0)
         helper.join(30)
     table.close()
-    assert free_elsewhere(name, alias), "the lock is held, for its ttl, by an owner told it did not get it"
+    assert taken_by_another_thread(distlocks.lock(name, using=alias)), (
+        "the lock is held, for its ttl, by an owner told it did not get it"
+    )
 
 
 @pytest.mark.parametrize("alias", ["mariadb", "postgresql"], indirect=True)
@@ -183,7 +185,7 @@ def lock_of(kind, name, using, **options):
 def taken_elsewhere(kind, name, alias):
     """Whether another owner takes (and gives back) the lock, or a read-write lock's other side, at once."""
     if kind == "lock":
-        return free_elsewhere(name, alias)
+        return taken_by_another_thread(distlocks.lock(name, using=alias))
     return in_thread(lambda: take_side(name, alias, OTHER_SIDE[kind]))
 
 
@@ -227,7 +229,7 @@ def test_an_acquire_interrupted_before_its_statement_was_sent_tries_nothing_more
             assert time.monotonic() - started < 1.6
             helper.join(30)
         assert not voids_pending(name)
-        assert free_elsewhere(name, alias)
+        assert taken_by_another_thread(distlocks.lock(name, using=alias))
 
 
 def create_in_flight(alias):

@@ -22,8 +22,8 @@ from distlocks.backends.mysql import server_name
 from distlocks.exceptions import LockLost
 from distlocks.handler import locks
 from distlocks.signals import lock_lost
-from tests.conftest import DB, NATIVE_ALIASES, Holder, queue_waiters
-from tests.faults.conftest import behind_proxy, free_elsewhere
+from tests.conftest import DB, NATIVE_ALIASES, Holder, queue_waiters, taken_by_another_thread
+from tests.faults.conftest import behind_proxy
 from tests.faults.test_db import kill_session, session_alive
 from tests.test_db import places_queued
 
@@ -151,11 +151,13 @@ def test_holder_is_told_when_its_database_session_is_killed(alias, name):
     try:
         holder = Holder(name, alias, ttl=1.5)
         kill_session(DATABASE[alias], holding_session(alias, name))
-        assert not free_elsewhere(name, alias), "free while its lease lives"
+        assert not taken_by_another_thread(distlocks.lock(name, using=alias)), "free while its lease lives"
         until(lambda: lost, seconds=5, what="lock_lost")
         assert lost == [holder.token]
         assert isinstance(holder.release(), distlocks.LockLost)
-        assert free_elsewhere(name, alias), "the lease outlived the release of a hold whose session ended"
+        assert taken_by_another_thread(distlocks.lock(name, using=alias)), (
+            "the lease outlived the release of a hold whose session ended"
+        )
     finally:
         lock_lost.disconnect(on_lost)
 
@@ -175,7 +177,7 @@ def test_a_lock_connection_whose_idle_session_was_ended_serves_the_next_acquisit
         tokens.append(lk.token)
         assert holding_session(alias, name) != session
     assert tokens == sorted(set(tokens)), tokens
-    assert free_elsewhere(name, alias)
+    assert taken_by_another_thread(distlocks.lock(name, using=alias))
 
 
 @pytest.mark.parametrize("alias", ["postgresql_native"], indirect=True)
@@ -263,7 +265,10 @@ def test_cleanup_deletes_expired_leases_and_ends_their_sessions(alias, name):
         assert call("distlocks_cleanup", "--using", alias, "--dry-run") == f"{alias}: would delete 3 expired locks\n"
         assert call("distlocks_cleanup", "--using", alias) == f"{alias}: deleted 3 expired locks\n"
         assert call("distlocks_cleanup", "--using", alias) == f"{alias}: deleted 0 expired locks\n"
-        until(lambda: all(free_elsewhere(lk.name, alias) for lk in expired), what="the hung sessions ending")
+        until(
+            lambda: all(taken_by_another_thread(distlocks.lock(lk.name, using=alias)) for lk in expired),
+            what="the hung sessions ending",
+        )
         assert [info.key for info in locks[alias].held()] == [live.key]
         for lk in expired:
             with pytest.raises(distlocks.LockLost):
@@ -297,7 +302,7 @@ def test_a_full_memory_lease_table_makes_room_from_the_rows_of_freed_locks(alias
             assert tokens == sorted(set(tokens))  # every one taken, tokens growing
             assert [info.key for info in locks[alias].held()] == [locks[alias].make_key(f"{name}-held")]
             # A lock taken while the table was full is held by no other session: the failed statement's lock was freed.
-            assert all(free_elsewhere(f"{name}-{i}", alias) for i in range(12))
+            assert all(taken_by_another_thread(distlocks.lock(f"{name}-{i}", using=alias)) for i in range(12))
     finally:
         with connections["mariadb"].cursor() as cursor:
             cursor.execute("ALTER TABLE distlocks_native_lease MAX_ROWS = 0")
@@ -517,10 +522,10 @@ def test_a_lease_whose_session_ended_is_listed_and_force_released_by_its_token(a
         assert listed.token == holder.token
         assert [info.token for info in locks[alias].held() if info.key == key] == [holder.token]
         assert not locks[alias].force_release(key, holder.token - 1)  # not that acquisition
-        assert not free_elsewhere(name, alias)
+        assert not taken_by_another_thread(distlocks.lock(name, using=alias))
         assert locks[alias].force_release(key, holder.token)
         assert locks[alias].holder(key) is None
-        assert free_elsewhere(name, alias)
+        assert taken_by_another_thread(distlocks.lock(name, using=alias))
     finally:
         released = holder.release()
     assert isinstance(released, distlocks.LockLost)

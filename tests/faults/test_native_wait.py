@@ -13,7 +13,6 @@ import distlocks
 from distlocks.backends.postgresql import advisory_key
 from distlocks.handler import locks
 from tests.conftest import DB, Holder, taken_by_another_thread
-from tests.faults.conftest import free_elsewhere
 from tests.faults.test_native import until
 
 pytestmark = DB
@@ -128,7 +127,7 @@ def test_a_lock_granted_as_its_wait_is_cancelled_is_held_once_and_freed_by_its_r
     # The waiter's session (back in this thread's pool) keeps nothing: the lock is free, and listed nowhere.
     assert _advisory(lk.key, granted=True) == set()
     assert locks[bounded].holder(lk.key) is None
-    assert free_elsewhere(name, bounded)
+    assert taken_by_another_thread(distlocks.lock(name, using=bounded))
 
 
 def test_a_permit_granted_as_its_wait_is_cancelled_is_held_once_and_freed_by_its_release(bounded, name):

@@ -22,8 +22,8 @@ from distlocks.backends.redis.keys import keys_of_lock, lock_hash
 from distlocks.checks import check_distlocks
 from distlocks.handler import locks
 from localservers import REDIS_PORT
-from tests.conftest import DB, Holder
-from tests.faults.conftest import FreezableProxy, free_elsewhere, frozen
+from tests.conftest import DB, Holder, taken_by_another_thread
+from tests.faults.conftest import REDIS_CACHES, FreezableProxy, frozen
 from tests.faults.test_core import until
 from tests.faults.test_interrupts import Interrupted, raising_on
 
@@ -45,9 +45,10 @@ def take(name, alias="own"):
             time.sleep(0.05)
 
 
-def test_tokens_keep_increasing_when_redis_restarts_from_a_stale_snapshot(own_redis, tmp_path, name):
-    server = own_redis(REDIS_PORT + 80, "--dir", str(tmp_path))
-    client = get_redis_connection("own")
+@pytest.mark.parametrize("cache", REDIS_CACHES)
+def test_tokens_keep_increasing_when_redis_restarts_from_a_stale_snapshot(own_redis, tmp_path, name, cache):
+    server = own_redis(REDIS_PORT + 80, "--dir", str(tmp_path), cache=cache)
+    client = locks["own"].client
     tokens = [take(name) for _ in range(3)]
     client.save()  # the snapshot: the fencing counter as it is now
     tokens += [take(name) for _ in range(5)]
@@ -55,7 +56,6 @@ def test_tokens_keep_increasing_when_redis_restarts_from_a_stale_snapshot(own_re
     server.process.wait()
     server.process = None
     server.start()
-    client = get_redis_connection("own")
     fence = keys_of_lock(locks["own"].make_key(name))[1]
     assert int(client.get(fence)) < max(tokens)  # the counter came back, stale
     assert take(name) > max(tokens)
@@ -146,7 +146,7 @@ def test_every_name_is_a_lock_of_its_own_in_one_cluster_slot(own_redis):
     try:
         client, backend = get_redis_connection("own"), locks["own"]
         for lk in held:
-            assert not free_elsewhere(lk.name, "own")  # each is taken
+            assert not taken_by_another_thread(distlocks.lock(lk.name, using="own"))  # each is taken
             lock_hash, fence, queue = keys_of_lock(lk.key)
             assert client.exists(lock_hash, fence) == 2
             assert key_slot(lock_hash.encode()) == key_slot(fence.encode()) == key_slot(queue.encode())
@@ -156,7 +156,7 @@ def test_every_name_is_a_lock_of_its_own_in_one_cluster_slot(own_redis):
         for lk in held:
             lk.release()
     for name in names:
-        assert free_elsewhere(name, "own")
+        assert taken_by_another_thread(distlocks.lock(name, using="own"))
 
 
 def test_force_release_with_a_stale_token_leaves_the_next_holder_alone(name):
@@ -290,28 +290,16 @@ def voided(name):
         time.sleep(0.02)
 
 
+# What BackendUnavailable says of a call that got no answer in time: the cache, the alias, the driver's error.
+TIMED_OUT = r"Redis of cache 'own' \(redis://127\.0\.0\.1:\d+/0\) for locks on 'own' is unavailable: Timeout "
+
+
 def timed_out_acquire(server, lk, call="acquire"):
     """Send ``lk``'s acquire (or ``take_detached``) to the frozen ``server``: the client gives up after its
     0.5 s socket timeout, and the server runs the script once it goes on."""
     send = (lambda: lk.acquire(wait=0)) if call == "acquire" else (lambda: lk.take_detached(30))
-    with frozen(server), pytest.raises(distlocks.BackendUnavailable):
+    with frozen(server), pytest.raises(distlocks.BackendUnavailable, match=TIMED_OUT):
         send()
-
-
-def taken_by_another_thread(make_lock, wait):
-    """Whether another thread (another owner) takes ``make_lock()`` within ``wait`` seconds; it gives it back."""
-    result = []
-
-    def take():
-        other = make_lock()
-        result.append(other.acquire(wait=wait))
-        if result[0]:
-            other.release()
-
-    thread = threading.Thread(target=take)
-    thread.start()
-    thread.join(wait + 30)
-    return result[0]
 
 
 def proxied_alias(settings, server):
@@ -325,11 +313,12 @@ def proxied_alias(settings, server):
 
 def taken_elsewhere(name, wait):
     """Whether another thread takes the lock ``name`` on the alias "own" within ``wait`` seconds."""
-    return taken_by_another_thread(lambda: distlocks.lock(name, using="own", ttl=30), wait)
+    return taken_by_another_thread(distlocks.lock(name, using="own", ttl=30), wait)
 
 
-def test_an_acquire_run_after_its_client_gave_up_does_not_keep_the_lock_for_its_ttl(own_redis, name, caplog):
-    server = own_redis(REDIS_PORT + 60, SOCKET_CONNECT_TIMEOUT=1, SOCKET_TIMEOUT=0.5)
+@pytest.mark.parametrize("cache", REDIS_CACHES)
+def test_an_acquire_run_after_its_client_gave_up_does_not_keep_the_lock_for_its_ttl(own_redis, name, caplog, cache):
+    server = own_redis(REDIS_PORT + 60, SOCKET_CONNECT_TIMEOUT=1, SOCKET_TIMEOUT=0.5, cache=cache)
     lk = distlocks.lock(name, using="own", ttl=30)
     with lk:
         pass  # its connection is open: the frozen server's kernel takes the request, run when the server goes on
@@ -411,11 +400,13 @@ SIDES_OF_LOCKS = {
 
 def writable_elsewhere(name, kind):
     """Whether another thread takes at once what excludes ``kind``: the lock, or the read-write lock's write side."""
-    return taken_by_another_thread(lambda: SIDES_OF_LOCKS["lock" if kind == "lock" else "write side"](name), 0)
+    return taken_by_another_thread(SIDES_OF_LOCKS["lock" if kind == "lock" else "write side"](name))
 
 
-@pytest.mark.parametrize("kind", list(SIDES_OF_LOCKS))
-def test_a_lost_acquire_that_redis_py_sends_again_takes_what_its_first_run_took(own_redis, settings, name, kind):
+# Django's RedisCache takes the Retry in its OPTIONS, django-redis in CONNECTION_POOL_KWARGS; the sides differ in
+# their scripts only.
+@pytest.mark.parametrize(("kind", "cache"), [*((kind, "redis") for kind in SIDES_OF_LOCKS), ("lock", "redis_django")])
+def test_a_lost_acquire_that_redis_py_sends_again_takes_what_its_first_run_took(own_redis, settings, name, kind, cache):
     """A cache whose connections retry on a timeout (``retry_on_timeout``, a ``Retry``) sends the acquire script
     again, with the same attempt id, when its answer was lost. The first run took the lock: the second one must
     say so, or the owner is told it did not get the lock, nothing is voided (no error was raised), and the first
@@ -428,6 +419,7 @@ def test_a_lost_acquire_that_redis_py_sends_again_takes_what_its_first_run_took(
         SOCKET_CONNECT_TIMEOUT=1,
         SOCKET_TIMEOUT=2,  # the answer after the retry must come in time on a loaded machine
         CONNECTION_POOL_KWARGS={"retry": Retry(NoBackoff(), 1)},
+        cache=cache,
     )
     proxy = FreezableProxy(server.port)
     settings.CACHES = {
@@ -463,13 +455,14 @@ def test_a_lost_acquire_that_redis_py_sends_again_takes_what_its_first_run_took(
         proxy.close()
 
 
+@pytest.mark.parametrize("cache", REDIS_CACHES)
 @pytest.mark.parametrize("waiter", ["thread", "task"])
 def test_a_hand_over_published_to_a_black_holed_release_channel_reaches_its_waiter_long_before_the_lease(
-    own_redis, settings, name, waiter
+    own_redis, settings, name, waiter, cache
 ):
     """A release channel dropped without a reset (a NAT, a firewall) reads nothing: pinged, it is found dead
     and resubscribed, and the waiter takes the lock handed to it then, not when its 30 s lease runs out."""
-    server = own_redis(REDIS_PORT + 70 + (waiter == "task"), SOCKET_CONNECT_TIMEOUT=1, SOCKET_TIMEOUT=1)
+    server = own_redis(REDIS_PORT + 70 + (waiter == "task"), SOCKET_CONNECT_TIMEOUT=1, SOCKET_TIMEOUT=1, cache=cache)
     proxy = proxied_alias(settings, server)
     client = locks["own"].client
     queue = keys_of_lock(locks["own"].make_key(name))[2]
@@ -504,17 +497,20 @@ def test_a_hand_over_published_to_a_black_holed_release_channel_reaches_its_wait
         thread.join(60)
 
 
+@pytest.mark.parametrize("cache", REDIS_CACHES)
 @pytest.mark.parametrize("fault", ["interrupt", "timeout"])
-def test_a_release_that_never_reached_a_frozen_server_frees_the_lock_once_it_answers(own_redis, name, fault):
+def test_a_release_that_never_reached_a_frozen_server_frees_the_lock_once_it_answers(own_redis, name, fault, cache):
     """A release interrupted (a raising signal handler: Celery's soft time limit) or timed out while it opened a
     connection to a frozen server was never sent: it is made again once the server answers, not left to the lease."""
-    server = own_redis(REDIS_PORT + 72 + (fault == "timeout"), SOCKET_CONNECT_TIMEOUT=1, SOCKET_TIMEOUT=0.5)
+    server = own_redis(
+        REDIS_PORT + 72 + (fault == "timeout"), SOCKET_CONNECT_TIMEOUT=1, SOCKET_TIMEOUT=0.5, cache=cache
+    )
     lk = distlocks.lock(name, using="own", ttl=30)
     assert lk.acquire(wait=0)
     locks["own"].client.connection_pool.disconnect()  # the release opens a connection: its handshake waits
     with frozen(server):
         if fault == "timeout":
-            with pytest.raises(distlocks.BackendUnavailable):
+            with pytest.raises(distlocks.BackendUnavailable, match=TIMED_OUT):
                 lk.release()
         else:
             with raising_on(signal.SIGALRM):
@@ -525,7 +521,7 @@ def test_a_release_that_never_reached_a_frozen_server_frees_the_lock_once_it_ans
                 finally:
                     signal.setitimer(signal.ITIMER_REAL, 0)
     assert lk.hold_count == 0
-    until(lambda: free_elsewhere(name, "own"), seconds=5)  # not after its 30 s lease
+    until(lambda: taken_by_another_thread(distlocks.lock(name, using="own")), seconds=5)  # not after its 30 s lease
 
 
 def test_a_release_that_reaches_the_server_late_leaves_its_owners_next_acquisition_alone(own_redis, settings, name):
@@ -550,7 +546,7 @@ def test_a_release_that_reaches_the_server_late_leaves_its_owners_next_acquisiti
         # Thawed: the old release runs, then its connection ends.
         until(lambda: not stale & {entry["addr"] for entry in client.client_list()})
         assert client.hget(lock_hash(again.key), "token") == str(again.token).encode()
-        assert not free_elsewhere(name, "own")
+        assert not taken_by_another_thread(distlocks.lock(name, using="own"))
         assert not again.lost
         again.release()
     finally:
@@ -582,7 +578,7 @@ def test_a_renewal_that_reaches_the_server_late_leaves_its_owners_next_lease_alo
         # Thawed: the late renewal runs.
         until(lambda: scripts_run() > before)
         assert client.pttl(lock_hash(again.key)) > 25_000
-        assert not free_elsewhere(name, "own")
+        assert not taken_by_another_thread(distlocks.lock(name, using="own"))
         again.release()
     finally:
         proxy.close()

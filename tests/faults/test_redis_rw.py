@@ -12,9 +12,8 @@ from django_redis import get_redis_connection
 import distlocks
 from distlocks.backends.redis import strays
 from localservers import REDIS_PORT
-from tests.conftest import DB
+from tests.conftest import DB, taken_by_another_thread
 from tests.faults.conftest import frozen
-from tests.faults.test_redis import taken_by_another_thread
 
 pytestmark = [DB, pytest.mark.servers("redis")]
 
@@ -39,7 +38,7 @@ def timed_out_acquire(server, side):
 
 def taken_elsewhere(name, mode, wait):
     """Whether another thread (another owner) takes the ``mode`` side within ``wait`` seconds; it gives it back."""
-    return taken_by_another_thread(lambda: getattr(distlocks.read_write_lock(name, using="own", ttl=30), mode)(), wait)
+    return taken_by_another_thread(getattr(distlocks.read_write_lock(name, using="own", ttl=30), mode)(), wait)
 
 
 def rw_hash(name):

@@ -19,8 +19,8 @@ from distlocks.backends.redlock import CONNECT_SECONDS, node_deadline
 from distlocks.handler import locks
 from distlocks.owner import current_owner
 from localservers import REDIS_PORT, RedisServer, answers
-from tests.conftest import DB, Holder, guarded_events
-from tests.faults.conftest import FreezableProxy, free_elsewhere
+from tests.conftest import DB, Holder, guarded_events, taken_by_another_thread
+from tests.faults.conftest import FreezableProxy
 from tests.faults.test_interrupts import Interrupted, interrupt_main_when, raising_on
 
 pytestmark = [DB, pytest.mark.servers("redis")]
@@ -130,13 +130,13 @@ def test_a_majority_locks_when_two_nodes_answer_errors(nodes, name):
     lk = distlocks.lock(name, using="rl", ttl=5)
     assert lk.acquire(wait=0)
     assert nodes.holding(lk.key) == {2, 3, 4}
-    assert free_elsewhere(name, "rl") is False
+    assert taken_by_another_thread(distlocks.lock(name, using="rl")) is False
     assert lk.acquire(wait=0)  # re-entered
     assert locks["rl"].extend(lk.key, current_owner(), 5)  # renewed
     lk.release()
     lk.release()
     assert nodes.holding(lk.key) == set()
-    assert free_elsewhere(name, "rl") is True
+    assert taken_by_another_thread(distlocks.lock(name, using="rl")) is True
 
 
 def test_a_failed_attempt_leaves_nothing_when_a_majority_answers_errors(nodes, name):
@@ -161,10 +161,10 @@ def test_two_black_holed_nodes_cost_at_most_a_deadline_not_a_socket_timeout(node
         return result
 
     assert timed(lambda: lk.acquire(wait=0))
-    assert timed(lambda: free_elsewhere(name, "rl")) is False  # mutual exclusion holds
+    assert timed(lambda: taken_by_another_thread(distlocks.lock(name, using="rl"))) is False  # mutual exclusion holds
     assert timed(lambda: locks["rl"].extend(lk.key, current_owner(), ttl))
     timed(lk.release)
-    assert timed(lambda: free_elsewhere(name, "rl")) is True
+    assert timed(lambda: taken_by_another_thread(distlocks.lock(name, using="rl"))) is True
 
 
 @pytest.mark.parametrize("ttl", [1, 0.5])
@@ -176,7 +176,7 @@ def test_connecting_to_the_nodes_counts_against_no_lease(nodes, settings, name, 
         nodes.own_caches(settings, name, [proxy.port for proxy in proxies])
         lk = distlocks.lock(name, using="rl", ttl=ttl, renew=False)
         assert lk.acquire(wait=0)
-        assert free_elsewhere(name, "rl") is False
+        assert taken_by_another_thread(distlocks.lock(name, using="rl")) is False
         lk.release()
     finally:
         for proxy in proxies:
@@ -217,7 +217,7 @@ def test_takes_that_answer_after_the_deadline_of_a_failed_attempt_are_undone(nod
     assert nodes.holding(lk.key) == set()
     nodes.thaw(0, 1, 2)  # the takes they buffered run now, late: each is undone when it answers
     _until(lambda: nodes.holding(lk.key) == set(), f"left behind on {nodes.holding(lk.key)}")
-    assert free_elsewhere(name, "rl") is True
+    assert taken_by_another_thread(distlocks.lock(name, using="rl")) is True
 
 
 def test_a_take_queued_behind_a_slow_call_still_reaches_its_node_after_a_majority_answered(nodes, name):
@@ -234,7 +234,7 @@ def test_a_take_queued_behind_a_slow_call_still_reaches_its_node_after_a_majorit
     _until(lambda: nodes.holding(second.key) == {0, 1, 2, 3, 4}, f"held on {nodes.holding(second.key)}", seconds=2)
     for server in nodes.servers[:2]:
         server.restart()
-    assert free_elsewhere(name, "rl") is False
+    assert taken_by_another_thread(distlocks.lock(name, using="rl")) is False
     second.release()
     first.release()
 
@@ -387,7 +387,7 @@ def test_a_frozen_nodes_late_take_leaves_no_stray_hold_after_the_release(nodes, 
     holder = distlocks.lock(name, using="rl", ttl=ttl)
     assert holder.acquire(wait=0)  # node 0's take does not answer in time: held on the other four
     _until(lambda: nodes.holding(key) == {1, 2, 3, 4})  # (the last of them may answer after the acquire)
-    assert free_elsewhere(name, "rl") is False
+    assert taken_by_another_thread(distlocks.lock(name, using="rl")) is False
     holder.release()
     _until(lambda: nodes.holding(key) == set())  # the release returns at a majority: a slow node's follows
     thawed = time.monotonic()
@@ -481,17 +481,6 @@ def test_a_black_holed_nodes_backlog_stays_bounded_and_it_is_back_in_the_rounds_
         # Back soon after the thaw: what it kept drains, and a fresh round reaches it within its deadline.
         _until(lambda: redlock_workers.backlog(cache)[0] == 0, f"{queued} queued at the thaw", seconds=5.0)
         drained = time.monotonic() - thawed
-        print(
-            "DEBUG",
-            max(sizes),
-            dropped,
-            len(before),
-            len(during),
-            statistics.median(before),
-            statistics.median(during),
-            queued,
-            drained,
-        )
         assert drained < 2.0
         key, owner = backend.make_key(name), current_owner()
         answers = backend._ask(lambda node: node.take_at_least(key, owner, 1, 0) or 0, deadline)
