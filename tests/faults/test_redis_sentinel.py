@@ -7,6 +7,7 @@ again afterwards (the old master back, as a replica of the new one).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import threading
@@ -15,6 +16,7 @@ import time
 import pytest
 
 import distlocks
+from distlocks.backends.redis import failover
 from distlocks.checks import check_distlocks
 from distlocks.signals import lock_lost
 from localservers import SENTINEL_SERVICE
@@ -145,6 +147,17 @@ def test_a_killed_master_loses_only_what_no_replica_had_and_locks_go_on(
     assert not failed or max(failed) < switched + 5
 
 
+def lock_of(kind, name, **options):
+    """A lock of ``kind`` (not "alock") of ``name``: a lock, a write side, a permit or a multi-lock of two."""
+    if kind == "write":
+        return distlocks.read_write_lock(name, using=ALIAS, ttl=30, **options).write()
+    if kind == "permit":
+        return distlocks.semaphore(name, 1, using=ALIAS, ttl=30, **options)
+    if kind == "member":
+        return distlocks.multi_lock([f"{name}-a", f"{name}-b"], using=ALIAS, ttl=30, **options)
+    return distlocks.lock(name, using=ALIAS, ttl=30, **options)
+
+
 def waiting(kind, name, waited):
     """A thread waiting (wait=30) for ``kind`` of ``name``; it appends when it got it (monotonic) to ``waited``."""
 
@@ -157,15 +170,7 @@ def waiting(kind, name, waited):
 
             asyncio.run(take())
             return
-        if kind == "write":
-            lk = distlocks.read_write_lock(name, using=ALIAS, ttl=30, wait=30).write()
-        elif kind == "permit":
-            lk = distlocks.semaphore(name, 1, using=ALIAS, ttl=30, wait=30)
-        elif kind == "member":
-            lk = distlocks.multi_lock([f"{name}-a", f"{name}-b"], using=ALIAS, ttl=30, wait=30)
-        else:
-            lk = distlocks.lock(name, using=ALIAS, ttl=30, wait=30)
-        with lk:
+        with lock_of(kind, name, wait=30):
             waited.append(time.monotonic())
 
     thread = threading.Thread(target=wait)
@@ -177,11 +182,9 @@ def held_against(kind, name):
     """What keeps a waiter of ``kind`` of ``name`` waiting: a reader for a writer, the permit, a member..."""
     if kind == "write":
         return distlocks.read_write_lock(name, using=ALIAS, ttl=30).read()
-    if kind == "permit":
-        return distlocks.semaphore(name, 1, using=ALIAS, ttl=30)
     if kind == "member":
         return distlocks.lock(f"{name}-b", using=ALIAS, ttl=30)
-    return distlocks.lock(name, using=ALIAS, ttl=30)
+    return lock_of(kind, name)
 
 
 def queued(group, name):
@@ -213,6 +216,64 @@ def test_after_a_failover_a_waiter_is_handed_the_lock_on_the_new_master(sentinel
         thread.join(30)
     [got] = waited
     assert got - released < 2  # handed over, not found at the end of the 30 s lease
+
+
+def taking(kind, name):
+    """A lock of ``kind`` of ``name``, as a coroutine function for "alock", or else an ``acquire(wait=0)`` to call."""
+    if kind == "alock":
+
+        async def take():
+            async with distlocks.alock(name, using=ALIAS, wait=0) as lk:
+                return lk.token > 0
+
+        return lambda: asyncio.run(take())
+    lk = lock_of(kind, name)
+
+    def acquire():
+        got = lk.acquire(wait=0)
+        lk.release()
+        return got
+
+    return acquire
+
+
+@contextlib.contextmanager
+def demoted_for(group, seconds):
+    """The master made a replica (of a port where nothing listens: it keeps its data) for ``seconds``, as in a
+    failover's first moments, when it answers READONLY while the sentinels still name it; then master again."""
+    master = group.master()
+    group.client(master).replicaof("127.0.0.1", 1)
+    back = threading.Timer(seconds, lambda: group.client(master).replicaof("NO", "ONE"))
+    back.start()
+    try:
+        yield master
+    finally:
+        back.join()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_call_that_meets_a_demoted_master_waits_out_the_failover(sentinel_group, kind, name):
+    take = taking(kind, name)
+    assert take()  # connected to the master
+    with demoted_for(sentinel_group, 0.5) as master:
+        started = time.monotonic()
+        assert take()  # READONLY, asked again until it writes: no BackendUnavailable
+        took = time.monotonic() - started
+        assert sentinel_group.master() is master  # the sentinels named it all along
+    assert 0.4 < took < 0.5 + 2
+
+
+def test_a_master_demoted_longer_than_the_failover_wait_is_backend_unavailable(sentinel_group, name, monkeypatch):
+    monkeypatch.setattr(failover, "FAILOVER_WAIT", 0.3)  # the sentinels fail over a master demoted for 1.3 s
+    take = taking("lock", name)
+    assert take()
+    with demoted_for(sentinel_group, 0.8):
+        started = time.monotonic()
+        with pytest.raises(distlocks.BackendUnavailable, match="The previous master is now a slave"):
+            take()
+        took = time.monotonic() - started
+    assert 0.2 < took < 0.8
+    assert take()  # master again
 
 
 @pytest.mark.parametrize("fault", ["killed", "frozen"])

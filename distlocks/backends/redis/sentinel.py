@@ -5,7 +5,8 @@ The backend's scripts go to the master that the sentinels name now, through
 redis-py's ``Sentinel(...).master_for(SERVICE)`` (``redis.asyncio.sentinel``
 on an event loop): a connection asks the sentinels for the master when it
 connects, and one that finds its server demoted (``READONLY``) or gone
-reconnects to the new master. The hand-overs' pub/sub connection does the
+reconnects to the new master (a call that meets the demoted master again
+waits out the failover: ``failover``). The hand-overs' pub/sub connection does the
 same, and resubscribes there (``SentinelReleases``); while waiters wait, a
 silent channel also checks, before each ping, that its server is still the
 master the sentinels name. A waiter renews a hand-over before it counts
@@ -44,7 +45,7 @@ DEFAULT_OPTIONS = {"socket_connect_timeout": 2, "socket_timeout": 5}
 #: answers from memory, and one that does not is passed over for the next.
 SENTINEL_DEFAULTS = {"socket_connect_timeout": 1, "socket_timeout": 1}
 #: A call that finds its connection broken (a master demoted or gone) tries once more, without waiting, on a new one
-#: to the master the sentinels name then.
+#: to the master the sentinels name then; one that meets a demoted master again waits out the failover (``failover``).
 RETRIES = 1
 #: The arguments of redis-py's ``Sentinel`` itself, besides the connections' (``SENTINEL_OPTIONS`` takes them too).
 SENTINEL_ARGUMENTS = ("sentinel_kwargs", "min_other_sentinels", "force_master_ip")
@@ -96,20 +97,19 @@ class Group:
 
     def _make(self, asyncio: bool) -> Any:
         try:
-            from redis.backoff import NoBackoff
+            from distlocks.backends.redis.failover import AsyncFailoverRetry, FailoverRetry
 
             if asyncio:
-                from redis.asyncio.retry import Retry
                 from redis.asyncio.sentinel import Sentinel
             else:
-                from redis.retry import Retry  # type: ignore[assignment]
                 from redis.sentinel import Sentinel  # type: ignore[assignment]
         except ImportError as exc:
             raise ImproperlyConfigured(
                 f"DISTLOCKS[{self.alias!r}] needs redis-py: pip install 'distlocks[redis]'"
             ) from exc
-        options = {"retry": Retry(NoBackoff(), RETRIES), **dict(self.options)}
-        options["sentinel_kwargs"] = {"retry": Retry(NoBackoff(), 0), **options["sentinel_kwargs"]}
+        retry = AsyncFailoverRetry if asyncio else FailoverRetry
+        options = {"retry": retry(RETRIES), **dict(self.options)}
+        options["sentinel_kwargs"] = {"retry": retry(0), **options["sentinel_kwargs"]}
         return Sentinel([*self.sentinels], **options).master_for(self.service)
 
 
