@@ -269,6 +269,7 @@ class SentinelServers:
         service, master = SENTINEL_SERVICE, self.data_ports[0]
         lines = [
             f"dir {self.directory}",
+            f"logfile {os.path.join(self.directory, f'sentinel-{port}.log')}",  # what it saw, when a test fails
             f"sentinel myid {port:040x}",
             f"sentinel monitor {service} 127.0.0.1 {master} 2",
             f"sentinel down-after-milliseconds {service} {SENTINEL_DOWN_AFTER_MS}",
@@ -350,6 +351,10 @@ class SentinelServers:
                 client = self.sentinel(sentinel)
                 state = client.sentinel_master(SENTINEL_SERVICE)
                 if state["flags"] != "master" or state["num-other-sentinels"] != len(self.sentinels) - 1:
+                    return False
+                if (
+                    state["role-reported"] != "master"
+                ):  # a master demoted a moment ago: the sentinels would fail it over
                     return False
                 seen = client.sentinel_slaves(SENTINEL_SERVICE)
                 up = {int(replica["port"]) for replica in seen if replica["flags"] == "slave"}
