@@ -16,6 +16,7 @@ import pytest
 from django.core.exceptions import ImproperlyConfigured
 
 import distlocks
+from distlocks.backends.redis import handover
 from distlocks.backends.redis.aiowait import loop_releases
 from distlocks.backends.redis.keys import keys_of_lock, lock_hash
 from distlocks.checks import check_distlocks
@@ -210,7 +211,19 @@ def test_a_task_is_handed_the_lock_at_the_release(redis_sentinel, name):
     assert asyncio.run(asyncio.wait_for(main(), 30)) < 0.5
 
 
-def test_a_hand_over_read_on_a_replica_is_not_trusted_and_the_channel_moves_to_the_master(redis_sentinel, name, caplog):
+@pytest.fixture
+def channel_kept():
+    """The hand-over channel stays where a test put it until the test calls the result (it then moves, if off the
+    master, once silent for ``PING_AFTER`` while a waiter waits): on a loaded machine a second may pass before the
+    test's release."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(handover, "PING_AFTER", 60.0)
+        yield patch.undo
+
+
+def test_a_hand_over_read_on_a_replica_is_not_trusted_and_the_channel_moves_to_the_master(
+    redis_sentinel, name, caplog, channel_kept
+):
     # A demoted master that kept this process's channel (Sentinel drops its connections, but a window or an
     # operator's REPLICAOF may not) gets every message published on the master by replication, while the
     # release counts the master's listeners alone: it skips the waiter, and the waiter reads "you have it".
@@ -251,6 +264,7 @@ def test_a_hand_over_read_on_a_replica_is_not_trusted_and_the_channel_moves_to_t
     # It read the message (the replica had it), and took nothing on its word: the renewal found no hold.
     assert "A lock handed over to a waiter was gone when it woke: queueing again" in caplog.messages
     # Its channel moves to the master once silent for a second while a waiter waits.
+    channel_kept()
     with distlocks.lock(name, using=ALIAS, ttl=30):
         thread = threading.Thread(target=wait_for_it)
         thread.start()
@@ -259,7 +273,9 @@ def test_a_hand_over_read_on_a_replica_is_not_trusted_and_the_channel_moves_to_t
     assert inside[-1][0] == "waiter out"
 
 
-def test_a_task_too_trusts_no_hand_over_read_on_a_replica_and_its_loops_channel_moves(redis_sentinel, name, caplog):
+def test_a_task_too_trusts_no_hand_over_read_on_a_replica_and_its_loops_channel_moves(
+    redis_sentinel, name, caplog, channel_kept
+):
     master = redis_sentinel.client(redis_sentinel.master())
     replica = redis_sentinel.replicas()[0]
     backend = locks[ALIAS]
@@ -283,6 +299,7 @@ def test_a_task_too_trusts_no_hand_over_read_on_a_replica_and_its_loops_channel_
         await asyncio.to_thread(holder.release)  # the master skips the waiter; the replica has the message
         assert await waiter
         # Its channel moves to the master once silent for a second while a task waits.
+        channel_kept()
         async with distlocks.alock(name, using=ALIAS, ttl=30, wait=0):
             other = asyncio.create_task(take(wait=10))
             while releases.pubsub.connection.port != redis_sentinel.master().port:

@@ -17,7 +17,9 @@ import pytest
 
 import distlocks
 from distlocks.backends.redis import failover
+from distlocks.backends.redis.aiowait import loop_releases
 from distlocks.checks import check_distlocks
+from distlocks.handler import locks
 from distlocks.signals import lock_lost
 from localservers import SENTINEL_SERVICE
 from tests.conftest import DB, guarded_events, wait_until
@@ -279,6 +281,42 @@ def test_a_master_demoted_longer_than_the_failover_wait_is_backend_unavailable(s
     assert failover.PAUSE <= took < 0.4
     sentinel_group.wait_ready()  # master again, as the sentinels see it
     assert take()
+
+
+def test_a_connection_left_on_a_demoted_master_writes_on_the_master_at_once(redis_sentinel, name):
+    # Sentinel closes a demoted master's clients, but not an operator's REPLICAOF, nor a connection made in between.
+    # READONLY: the connection asks the sentinels again, who name the master (redis-py 8 would reconnect it to the
+    # replica). A connection of the alias's client held by itself: back in the pool, the pool drops it.
+    import redis
+
+    pool = locks[ALIAS].client.connection_pool
+    with redis.Redis(connection_pool=pool, single_connection_client=True) as client:
+        client.connection.disconnect()
+        client.connection.connect_to(("127.0.0.1", redis_sentinel.replicas()[0].port))
+        started = time.monotonic()
+        assert client.set(f"{name}-written", 1)
+        took = time.monotonic() - started
+        assert client.connection.port == redis_sentinel.master().port
+    assert took < 1  # not the 5 s a call waits for a demoted master to be master again
+
+
+def test_a_tasks_connection_left_on_a_demoted_master_takes_the_lock_on_the_master_at_once(redis_sentinel, name):
+    backend = locks[ALIAS]
+
+    async def twice():
+        async with distlocks.alock(name, using=ALIAS, wait=0):  # the loop's client connects
+            pass
+        pool = loop_releases(backend.server, backend.new_loop_releases).client.connection_pool
+        connection = await pool.get_connection()
+        await connection.disconnect()
+        await connection.connect_to(("127.0.0.1", redis_sentinel.replicas()[0].port))
+        await pool.release(connection)  # kept: the asyncio pool does not check where its connections are
+        started = time.monotonic()
+        async with distlocks.alock(name, using=ALIAS, wait=0) as lk:
+            assert lk.token > 0
+        return time.monotonic() - started
+
+    assert asyncio.run(twice()) < 1
 
 
 @pytest.mark.parametrize("fault", ["killed", "frozen"])

@@ -1,4 +1,4 @@
-"""The retries of a Sentinel group's master's connections: one at once, and a failover waited out.
+"""The connections to a Sentinel group's master, and their retries: one at once, and a failover waited out.
 
 A connection to a master that the sentinels have just demoted gets
 ``READONLY``; redis-py drops it and raises ``ConnectionError("The previous
@@ -11,6 +11,11 @@ silent server is not waited for (one retry, as before): only a demoted
 master is known to have a successor on the way. ``READONLY`` means the
 script ran nothing, so sending it again cannot take a lock twice.
 
+Each reconnection asks the sentinels (``MasterConnection``): redis-py 8
+reconnects a connection dropped within a command, as a retry's is, to the
+address it had (redis/redis-py issue 3874), which would be the demoted
+master until the wait ran out.
+
 Imported by ``sentinel`` once redis-py is known to be there.
 """
 
@@ -21,10 +26,12 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from redis.asyncio import sentinel as asyncio_sentinel
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError, ReadOnlyError
 from redis.retry import Retry
+from redis.sentinel import SentinelManagedConnection, SentinelManagedSSLConnection
 
 #: How long a call that meets a demoted master goes on trying: a little more than two of the sentinels' hello
 #: periods, and no longer than the master's default socket timeout, which already bounds a call.
@@ -79,3 +86,36 @@ class AsyncFailoverRetry(AsyncRetry):
                 if not again(error, first):
                     raise
                 await asyncio.sleep(PAUSE)
+
+
+class MasterConnection(SentinelManagedConnection):
+    """redis-py's connection to the master of a Sentinel group, which asks the sentinels whenever it reconnects."""
+
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        if not self.is_connected:
+            self.connect()  # redis-py's would reconnect to the address it had
+        super().send_packed_command(command, check_health)
+
+
+class MasterSSLConnection(MasterConnection, SentinelManagedSSLConnection):
+    """``MasterConnection`` over TLS."""
+
+
+class AsyncMasterConnection(asyncio_sentinel.SentinelManagedConnection):
+    """``MasterConnection`` for ``redis.asyncio``."""
+
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        if not self.is_connected:
+            await self.connect()
+        await super().send_packed_command(command, check_health)
+
+
+class AsyncMasterSSLConnection(AsyncMasterConnection, asyncio_sentinel.SentinelManagedSSLConnection):
+    """``AsyncMasterConnection`` over TLS."""
+
+
+def connection_class(asyncio: bool, ssl: bool) -> type:
+    """The class of the master's connections, for an event loop or threads, with TLS or without."""
+    if asyncio:
+        return AsyncMasterSSLConnection if ssl else AsyncMasterConnection
+    return MasterSSLConnection if ssl else MasterConnection

@@ -97,7 +97,7 @@ class Group:
 
     def _make(self, asyncio: bool) -> Any:
         try:
-            from distlocks.backends.redis.failover import AsyncFailoverRetry, FailoverRetry
+            from distlocks.backends.redis.failover import AsyncFailoverRetry, FailoverRetry, connection_class
 
             if asyncio:
                 from redis.asyncio.sentinel import Sentinel
@@ -109,6 +109,7 @@ class Group:
             ) from exc
         retry = AsyncFailoverRetry if asyncio else FailoverRetry
         options = {"retry": retry(RETRIES), **dict(self.options)}
+        options.setdefault("connection_class", connection_class(asyncio, bool(options.pop("ssl", False))))
         options["sentinel_kwargs"] = {"retry": retry(0), **options["sentinel_kwargs"]}
         return Sentinel([*self.sentinels], **options).master_for(self.service)
 
