@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import time
+from typing import Any
 
 
 def _worker_offset() -> int:
@@ -46,15 +49,16 @@ def answers(port: int) -> bool:
 class RedisServer:
     """A ``redis-server`` on 127.0.0.1:``port``, stopped by pid."""
 
-    def __init__(self, port: int, *options: str) -> None:
+    def __init__(self, port: int, *options: str, config: str = "") -> None:
         self.port = port
         self.options = options  # more redis-server options, such as "--dir", path
+        self.config = config  # a configuration file (a sentinel's: it needs one)
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> RedisServer:
         binary = shutil.which("redis-server") or "/usr/bin/redis-server"
-        command = [binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no"]
-        command += self.options
+        command = [binary, *([self.config] if self.config else []), "--bind", "127.0.0.1", "--port", str(self.port)]
+        command += ["--save", "", "--appendonly", "no", *self.options]
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while not answers(self.port):
@@ -224,6 +228,175 @@ class ClusterServers:
 
     def stop(self) -> None:
         for server in self.servers:
+            server.stop()
+
+
+# The Sentinel group of the Sentinel tests: a master, two replicas and three sentinels.
+SENTINEL_DATA_PORTS = [REDIS_PORT + 130 + i for i in range(3)]
+SENTINEL_PORTS = [REDIS_PORT + 133 + i for i in range(3)]
+SENTINEL_SERVICE = "distlocks"
+# Sentinels' timings: a master silent this long is down, and a failover takes a second or two.
+SENTINEL_DOWN_AFTER_MS = 800
+SENTINEL_FAILOVER_TIMEOUT_MS = 2000
+# Redis 7's SENTINEL DEBUG: how often a sentinel asks INFO, says hello, and how long it stays in TILT after its
+# timer jumped (a busy machine): defaults of 10 s, 2 s and 30 s would make the group slow to see changes.
+SENTINEL_DEBUG = ["info-period", "250", "publish-period", "250", "ping-period", "200", "tilt-period", "1000"]
+
+
+class SentinelServers:
+    """A Redis Sentinel group on loopback ports: a master, replicas and sentinels monitoring them as
+    ``SENTINEL_SERVICE``, each sentinel's configuration (in ``directory``) naming the others, so that it is ready at
+    once. Stopped by pid."""
+
+    def __init__(self, data_ports: list[int], sentinel_ports: list[int], directory: str) -> None:
+        self.directory = directory
+        self.data_ports = data_ports
+        self.servers = [self._data_server(port, None if i == 0 else data_ports[0]) for i, port in enumerate(data_ports)]
+        self.sentinels = [
+            RedisServer(port, "--sentinel", config=self._sentinel_config(port, sentinel_ports))
+            for port in sentinel_ports
+        ]
+
+    def _data_server(self, port: int, master: int | None) -> RedisServer:
+        directory = os.path.join(self.directory, str(port))
+        os.makedirs(directory, exist_ok=True)
+        # No wait for more replicas before a full sync (5 s by default).
+        options = ["--dir", directory, "--repl-diskless-sync-delay", "0"]
+        return RedisServer(port, *options, *(["--replicaof", "127.0.0.1", str(master)] if master else []))
+
+    def _sentinel_config(self, port: int, ports: list[int]) -> str:
+        path = os.path.join(self.directory, f"sentinel-{port}.conf")
+        service, master = SENTINEL_SERVICE, self.data_ports[0]
+        lines = [
+            f"dir {self.directory}",
+            f"logfile {os.path.join(self.directory, f'sentinel-{port}.log')}",  # what it saw, when a test fails
+            f"sentinel myid {port:040x}",
+            f"sentinel monitor {service} 127.0.0.1 {master} 2",
+            f"sentinel down-after-milliseconds {service} {SENTINEL_DOWN_AFTER_MS}",
+            f"sentinel failover-timeout {service} {SENTINEL_FAILOVER_TIMEOUT_MS}",
+            *(f"sentinel known-replica {service} 127.0.0.1 {replica}" for replica in self.data_ports[1:]),
+            *(f"sentinel known-sentinel {service} 127.0.0.1 {other} {other:040x}" for other in ports if other != port),
+        ]
+        with open(path, "w") as file:  # the sentinel rewrites it as it learns
+            file.write("\n".join(lines) + "\n")
+        return path
+
+    def start(self) -> SentinelServers:
+        try:
+            for server in [*self.servers, *self.sentinels]:
+                server.start()
+            for sentinel in self.sentinels:
+                self.sentinel(sentinel).execute_command("SENTINEL DEBUG", *SENTINEL_DEBUG)
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def sentinel(self, server: RedisServer) -> Any:
+        import redis
+
+        return redis.Redis(port=server.port, socket_timeout=2, socket_connect_timeout=0.5)
+
+    def client(self, server: RedisServer) -> Any:
+        import redis
+
+        return redis.Redis(port=server.port, socket_timeout=2, socket_connect_timeout=0.5)
+
+    def master(self) -> RedisServer:
+        """The data server that the sentinels agree is the master now (RuntimeError if they do not agree)."""
+        ports = set()
+        for sentinel in self.sentinels:
+            if sentinel.process is not None:
+                ports.add(int(self.sentinel(sentinel).sentinel_get_master_addr_by_name(SENTINEL_SERVICE)[1]))
+        if len(ports) != 1:
+            raise RuntimeError(f"the sentinels name masters {sorted(ports)}")
+        [port] = ports
+        return next(server for server in self.servers if server.port == port)
+
+    def _live_master(self) -> RedisServer | None:
+        import redis
+
+        try:
+            master = self.master()
+        except (redis.RedisError, RuntimeError):
+            return None
+        return master if master.process is not None else None
+
+    def replicas(self) -> list[RedisServer]:
+        master = self.master()
+        return [server for server in self.servers if server is not master]
+
+    def wait_ready(self, timeout: float = 30) -> None:
+        """Wait until every sentinel names one master that every replica follows, in sync, and sees them all up."""
+        deadline = time.monotonic() + timeout
+        while not self.ready():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the Sentinel group on {self.data_ports} did not become ready")
+            time.sleep(0.05)
+
+    def ready(self) -> bool:
+        import redis
+
+        try:
+            master = self.master()
+            offset = self.client(master).info("replication")["master_repl_offset"]
+            for replica in self.replicas():
+                info = self.client(replica).info("replication")
+                if (info.get("master_port"), info.get("master_link_status")) != (master.port, "up"):
+                    return False
+                if info.get("slave_repl_offset", -1) < offset:
+                    return False
+            for sentinel in self.sentinels:
+                client = self.sentinel(sentinel)
+                state = client.sentinel_master(SENTINEL_SERVICE)
+                if state["flags"] != "master" or state["num-other-sentinels"] != len(self.sentinels) - 1:
+                    return False
+                if (
+                    state["role-reported"] != "master"
+                ):  # a master demoted a moment ago: the sentinels would fail it over
+                    return False
+                seen = client.sentinel_slaves(SENTINEL_SERVICE)
+                up = {int(replica["port"]) for replica in seen if replica["flags"] == "slave"}
+                if up != {replica.port for replica in self.replicas()}:
+                    return False
+        except (redis.RedisError, RuntimeError, KeyError, StopIteration):
+            return False
+        return True
+
+    def kill(self, server: RedisServer) -> None:
+        """SIGKILL ``server`` (a data server): no chance to answer or to flush anything."""
+        assert server.process is not None
+        server.process.kill()
+        server.process.wait()
+        server.process = None
+
+    def restore(self) -> None:
+        """Go on with every frozen server, start every stopped sentinel and data server again (the latter as a replica
+        of the master now), and wait until the group is ready."""
+        for server in [*self.sentinels, *self.servers]:
+            if server.process is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(server.process.pid, signal.SIGCONT)
+        for sentinel in self.sentinels:  # with the configuration it rewrote: it knows what happened
+            if sentinel.process is None:
+                sentinel.start()
+                self.sentinel(sentinel).execute_command("SENTINEL DEBUG", *SENTINEL_DEBUG)
+        deadline = time.monotonic() + 30
+        while (master := self._live_master()) is None:  # the sentinels agree on a master that runs
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the sentinels of {self.data_ports} name no live master")
+            time.sleep(0.05)
+        for i, server in enumerate(self.servers):
+            if server.process is None:
+                self.servers[i] = self._data_server(server.port, master.port).start()
+        self.wait_ready()
+
+    def stop(self) -> None:
+        for server in [*self.sentinels, *self.servers]:
+            with contextlib.suppress(ProcessLookupError):
+                if server.process is not None:
+                    os.kill(server.process.pid, signal.SIGCONT)
             server.stop()
 
 

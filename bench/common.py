@@ -33,7 +33,7 @@ def arguments(
 
     ``--contended-rounds`` and ``--processes`` are offered only to a script that gives them a default,
     ``--databases`` only to one that names the databases it measures on,
-    ``--pin`` and ``--uncontended-only`` only to one that asks for them, as ``--cluster``.
+    ``--pin`` and ``--uncontended-only`` only to one that asks for them, as ``--cluster`` (and ``--sentinel``).
     """
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cycles", type=int, default=cycles, help="acquire+release cycles per round")
@@ -62,6 +62,11 @@ def arguments(
     if cluster:
         parser.add_argument(
             "--cluster", action="store_true", help="also on a Redis Cluster the script starts (3 primaries, 3 replicas)"
+        )
+        parser.add_argument(
+            "--sentinel",
+            action="store_true",
+            help="also on a Sentinel group the script starts (a master, 2 replicas, 3 sentinels)",
         )
     parser.add_argument("--url", default="redis://127.0.0.1:6379/15", help="the Redis to measure on (Redis only)")
     parser.add_argument(

@@ -19,7 +19,10 @@ loopback ports 16390-16394 and stops afterwards. With ``--cluster``, the
 "cluster" rows run redis-py's Lock and distlocks on a Redis Cluster that the
 script starts (3 primaries, a replica each) on ports 16600-16605 (cluster bus
 16610-16615): each lock on the primary of its slot, through
-``RedisCluster``.
+``RedisCluster``. With ``--sentinel``, the "sentinel" rows run them on the
+master of a Sentinel group that the script starts (a master and two replicas
+on ports 16620-16622, three sentinels on 16623-16625), through redis-py's
+``Sentinel(...).master_for()``.
 """
 
 from __future__ import annotations
@@ -58,6 +61,9 @@ NODE_PORTS = [16390 + i for i in range(5)]  # the bench's own Redlock nodes
 CLUSTER_PORTS = [16600 + i for i in range(6)]  # the bench's own Redis Cluster, and its cluster bus
 CLUSTER_BUS_PORTS = [16610 + i for i in range(6)]
 CLUSTER_IMPLS = ["redis-py Lock cluster", "distlocks cluster"]
+SENTINEL_DATA_PORTS = [16620 + i for i in range(3)]  # the bench's own Sentinel group: master, replicas, sentinels
+SENTINEL_PORTS = [16623 + i for i in range(3)]
+SENTINEL_IMPLS = ["redis-py Lock sentinel", "distlocks sentinel"]
 COMPARE_AND_DELETE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
@@ -67,6 +73,8 @@ return 0
 def setup(url: str) -> None:
     import django
     from django.conf import settings
+
+    from localservers import SENTINEL_SERVICE
 
     django.setup()
     settings.CACHES["bench"] = {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": url}
@@ -80,6 +88,10 @@ def setup(url: str) -> None:
         "bench-cluster": {
             "BACKEND": "distlocks.backends.redis.RedisBackend",
             "OPTIONS": {"CLUSTER": [f"127.0.0.1:{port}" for port in CLUSTER_PORTS[:3]]},
+        },
+        "bench-sentinel": {
+            "BACKEND": "distlocks.backends.redis.RedisBackend",
+            "OPTIONS": {"SENTINELS": [f"127.0.0.1:{port}" for port in SENTINEL_PORTS], "SERVICE": SENTINEL_SERVICE},
         },
         "bench-redlock": {
             "BACKEND": "distlocks.backends.redlock.RedlockBackend",
@@ -113,6 +125,14 @@ def cycle_of(impl: str, name: str) -> tuple[Callable[[], object], Callable[[], o
         cluster = RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", port) for port in CLUSTER_PORTS[:3]])
         lock = cluster.lock(name, timeout=30)
         return lock.acquire, lock.release
+    if impl == "redis-py Lock sentinel":
+        from redis.sentinel import Sentinel
+
+        from localservers import SENTINEL_SERVICE
+
+        master = Sentinel([("127.0.0.1", port) for port in SENTINEL_PORTS]).master_for(SENTINEL_SERVICE)
+        lock = master.lock(name, timeout=30)
+        return lock.acquire, lock.release
     if impl == "python-redis-lock":
         import redis_lock
 
@@ -124,7 +144,11 @@ def cycle_of(impl: str, name: str) -> tuple[Callable[[], object], Callable[[], o
         masters = {get_redis_connection(f"node{i}") for i in range(len(NODE_PORTS))} if "x5" in impl else {client}
         redlock = Redlock(key=name, masters=masters, auto_release_time=30)
         return redlock.acquire, redlock.release
-    alias = "bench-redlock" if "x5" in impl else "bench-cluster" if "cluster" in impl else "bench"
+    alias = (
+        "bench-redlock"
+        if "x5" in impl
+        else next((f"bench-{topology}" for topology in ("cluster", "sentinel") if impl.endswith(topology)), "bench")
+    )
     dlock = distlocks.lock(name, using=alias, ttl=30)
     return dlock.acquire, dlock.release
 
@@ -159,18 +183,23 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from localservers import ClusterServers, RedisServer
+    from localservers import ClusterServers, RedisServer, SentinelServers
 
     nodes = [RedisServer(port).start() for port in NODE_PORTS]
     directory = tempfile.TemporaryDirectory()
     cluster = ClusterServers(CLUSTER_PORTS, CLUSTER_BUS_PORTS, directory.name).start() if args.cluster else None
+    group = None
     try:
-        run(args, [*IMPLS, *(CLUSTER_IMPLS if cluster else [])], Console, Table)
+        if args.sentinel:
+            group = SentinelServers(SENTINEL_DATA_PORTS, SENTINEL_PORTS, directory.name).start()
+        impls = [*IMPLS, *(CLUSTER_IMPLS if cluster else []), *(SENTINEL_IMPLS if group else [])]
+        run(args, impls, Console, Table)
     finally:
         for node in nodes:
             node.stop()
-        if cluster is not None:
-            cluster.stop()
+        for servers in (cluster, group):
+            if servers is not None:
+                servers.stop()
         directory.cleanup()
 
 

@@ -21,9 +21,12 @@ from localservers import (
     CLUSTER_PORTS,
     REDIS_PORT,
     REDLOCK_PORTS,
+    SENTINEL_DATA_PORTS,
+    SENTINEL_PORTS,
     ZK_PORT,
     ClusterServers,
     RedisServer,
+    SentinelServers,
     ZooKeeperServer,
     answers,
     zk_answers,
@@ -54,8 +57,19 @@ def pytest_collection_modifyitems(items):
 
 
 # The servers that the lock aliases of the ``alias`` parametrisation need.
-ALIAS_SERVERS = {"redis": "redis", "redlock": "redis", "zookeeper": "zookeeper", "cluster": "cluster"}
-SERVER_FIXTURES = {"redis": "redis_servers", "zookeeper": "zookeeper_server", "cluster": "redis_cluster"}
+ALIAS_SERVERS = {
+    "redis": "redis",
+    "redlock": "redis",
+    "zookeeper": "zookeeper",
+    "cluster": "cluster",
+    "sentinel": "sentinel",
+}
+SERVER_FIXTURES = {
+    "redis": "redis_servers",
+    "zookeeper": "zookeeper_server",
+    "cluster": "redis_cluster",
+    "sentinel": "redis_sentinel",
+}
 
 
 @pytest.fixture(autouse=True)
@@ -102,6 +116,35 @@ def cluster_alias(monkeypatch, settings):
     monkeypatch.setenv("DISTLOCKS_TEST_CLUSTER", "1")
     settings.DISTLOCKS = {**settings.DISTLOCKS, "cluster": CLUSTER_LOCKS}
     return "cluster"
+
+
+@pytest.fixture(scope="session")
+def redis_sentinel(tmp_path_factory):
+    """The tests' Sentinel group (a master, two replicas, three sentinels) on loopback ports of their own: lock
+    alias "sentinel". A test that fails it over uses ``sentinel_group``, which restores it."""
+    taken = [port for port in [*SENTINEL_DATA_PORTS, *SENTINEL_PORTS] if answers(port)]
+    assert not taken, f"something already answers on port(s) {taken}: stop it, or set DISTLOCKS_TEST_REDIS_PORT"
+    group = SentinelServers(SENTINEL_DATA_PORTS, SENTINEL_PORTS, str(tmp_path_factory.mktemp("sentinel"))).start()
+    yield group
+    group.stop()
+
+
+@pytest.fixture
+def sentinel_group(redis_sentinel):
+    """The tests' Sentinel group, for a test that fails it over or stops its servers: whole and ready again after."""
+    redis_sentinel.wait_ready()
+    yield redis_sentinel
+    redis_sentinel.restore()
+
+
+@pytest.fixture
+def sentinel_alias(monkeypatch, settings):
+    """The lock alias "sentinel" on the tests' Sentinel group, here and in the worker processes the test starts."""
+    from tests.settings import SENTINEL_LOCKS
+
+    monkeypatch.setenv("DISTLOCKS_TEST_SENTINEL", "1")
+    settings.DISTLOCKS = {**settings.DISTLOCKS, "sentinel": SENTINEL_LOCKS}
+    return "sentinel"
 
 
 def on_each_primary(cluster, name):

@@ -15,7 +15,7 @@ from typing import Any
 from demo_shop.common_settings import INSTALLED_APPS, database
 from demo_shop.common_settings import MIDDLEWARE as MIDDLEWARE
 from demo_shop.common_settings import TEMPLATES as TEMPLATES
-from localservers import CLUSTER_PORTS, REDLOCK_PORTS, ZK_PORT, redis_url
+from localservers import CLUSTER_PORTS, REDLOCK_PORTS, SENTINEL_PORTS, SENTINEL_SERVICE, ZK_PORT, redis_url
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 SECRET_KEY = "distlocks-tests-only"  # the tests serve nothing
@@ -124,6 +124,14 @@ CLUSTER_LOCKS = {
 }
 if os.environ.get("DISTLOCKS_TEST_CLUSTER"):
     DISTLOCKS["cluster"] = CLUSTER_LOCKS
+
+# The Sentinel group of the Sentinel tests (their fixture starts it and sets this): its three sentinels.
+SENTINEL_LOCKS = {
+    "BACKEND": "distlocks.backends.redis.RedisBackend",
+    "OPTIONS": {"SENTINELS": [f"127.0.0.1:{port}" for port in SENTINEL_PORTS], "SERVICE": SENTINEL_SERVICE},
+}
+if os.environ.get("DISTLOCKS_TEST_SENTINEL"):
+    DISTLOCKS["sentinel"] = SENTINEL_LOCKS
 
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 DEMO_WORK_SECONDS = 0.01

@@ -1,4 +1,4 @@
-"""Redis lock backend on a Redis cache alias: django-redis's, or Django's own ``RedisCache`` (see ``caches``).
+"""Redis lock backend on a Redis cache alias (django-redis's or Django's own: ``caches``), a Cluster or Sentinel.
 
 Guarantees: every state change is one Lua script, so it is atomic on the
 server. A lock is a hash (owner secret, hold count, fencing token, owner
@@ -11,8 +11,10 @@ whose process died is skipped: nobody listens on its channel any more. All
 keys of one lock share a hash tag, so they live in one slot of a Redis Cluster
 (``OPTIONS["CLUSTER"]``, see ``cluster``), where a waiter is told on a sharded
 channel in its lock's slot and asks the lock's primary before it trusts a
-hand-over (``shards``). Any name works: braces in it are escaped so that the
-hash tag is always well formed.
+hand-over (``shards``). On a Sentinel group (``OPTIONS["SENTINELS"]``, see
+``sentinel``) the locks are on the master the sentinels name, and a waiter
+renews a hand-over before it trusts it. Any name works: braces in it are
+escaped so that the hash tag is always well formed.
 
 Fencing tokens come from a counter key that never expires, and are never
 below the server's clock in microseconds. So every token is larger than every

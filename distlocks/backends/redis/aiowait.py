@@ -113,8 +113,11 @@ class LoopReleases:
                 await self._step()
         finally:
             with contextlib.suppress(Exception):
-                await self.pubsub.aclose()
-                await self.listener.aclose()
+                await self._close()
+
+    async def _close(self) -> None:
+        await self.pubsub.aclose()
+        await self.listener.aclose()
 
     async def _step(self) -> None:
         """Read one message (at most a second), and pass it on."""

@@ -1,5 +1,5 @@
 """The Redis lock backend: locks as Lua-managed hashes in the Redis of a cache alias (django-redis or Django's own),
-or in a Redis Cluster (``OPTIONS["CLUSTER"]``)."""
+in a Redis Cluster (``OPTIONS["CLUSTER"]``), or on the master of a Sentinel group (``OPTIONS["SENTINELS"]``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 from django.core import checks
 
 from distlocks.backends.base import AsyncPrimitives, AsyncTurn, BaseLockBackend, Granted, LockInfo
-from distlocks.backends.redis import caches, cluster, listing, replicas, strays
+from distlocks.backends.redis import caches, cluster, listing, replicas, sentinel, strays
 from distlocks.backends.redis.handover import Releases, Waiter, releases_for
 from distlocks.backends.redis.keys import (
     acquire_keys,
@@ -32,7 +32,6 @@ from distlocks.backends.redis.server import (
     lease_ms,
     without_password,
 )
-from distlocks.backends.redis.shards import ShardReleases
 from distlocks.backends.redis.side import RedisSide
 from distlocks.exceptions import BackendUnavailable
 from distlocks.owner import Owner
@@ -54,20 +53,24 @@ class RedisBackend(BaseLockBackend):
     max_key_length = 1024
     cleanup_noun = "unused fencing counters"
     side_class = RedisSide
-    option_names = ("CACHE", "CLUSTER", "CLUSTER_OPTIONS", "WAIT_REPLICAS", "WAIT_TIMEOUT")
+    option_names = ("CACHE", "CLUSTER", "CLUSTER_OPTIONS", "WAIT_REPLICAS", "WAIT_TIMEOUT", *sentinel.NAMES)
     location_instead = (
         "OPTIONS['CACHE'] names the Redis cache (an alias of CACHES, default 'default'; django-redis or Django's own) "
         "whose Redis holds the locks: set the Redis URL as that cache's LOCATION. For a Redis Cluster, list its "
-        "seed nodes in OPTIONS['CLUSTER']."
+        "seed nodes in OPTIONS['CLUSTER']; for Sentinel, the sentinels in OPTIONS['SENTINELS'] and the master's name "
+        "in OPTIONS['SERVICE']."
     )
 
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         super().__init__(alias, params)
-        # A Redis Cluster's seed nodes and redis-py options; none: the Redis of a cache.
-        self.cluster, self.cluster_options = cluster.configured(alias, self.options)
-        self.cache: str = "" if self.cluster else self.options.get("CACHE", "default")
+        # A Sentinel group or a Redis Cluster, with redis-py's options; none: the Redis of a cache.
+        self.remote = sentinel.configured(alias, self.options) or cluster.configured(alias, self.options)
+        self.cache: str = "" if self.remote else self.options.get("CACHE", "default")
         # An acquisition counts once this many replicas acknowledge it, within the timeout (see ``replicas``).
-        self.wait_replicas, self.wait_timeout = replicas.configured(alias, self.options, bool(self.cluster))
+        is_cluster = isinstance(self.remote, cluster.Cluster)
+        self.wait_replicas, self.wait_timeout = replicas.configured(alias, self.options, is_cluster)
+        # Whether a hand-over is renewed before it counts (see ``_handed_over``).
+        self.confirm_handovers = bool(self.wait_replicas) or isinstance(self.remote, sentinel.Group)
         # This thread's waits (instances are per thread): each key's waiter, and how long the last attempt said to wait.
         self._waiting: dict[str, Waiter] = {}
         self._wait_hint: dict[str, float] = {}
@@ -79,14 +82,14 @@ class RedisBackend(BaseLockBackend):
     @property
     def client(self) -> Any:
         """The redis-py client of the cache alias (django-redis's, or the one Django's own RedisCache writes with),
-        or this process's ``RedisCluster`` (BackendUnavailable if no seed node answers)."""
-        if not self.cluster:
+        or this process's ``RedisCluster`` (BackendUnavailable if no seed node answers) or Sentinel's master client."""
+        if not self.remote:
             return caches.client_of(self.alias, self.cache)
         with self._reaching():
-            return cluster.client(self.alias, self.cluster, self.cluster_options)
+            return self.remote.client()
 
     def unavailable(self, exc: Exception) -> BackendUnavailable:
-        where = f"Redis {self.address}" if self.cluster else f"Redis of cache {self.cache!r} ({self.address})"
+        where = f"Redis {self.address}" if self.remote else f"Redis of cache {self.cache!r} ({self.address})"
         return BackendUnavailable(
             f"{where} for locks on {self.alias!r} is unavailable: {str(exc) or type(exc).__name__}",
             alias=self.alias,
@@ -206,12 +209,12 @@ class RedisBackend(BaseLockBackend):
         so counted and takes the lock with no request (the common case). One
         that waited longer renews it first (``calls.renewal``), and its lease counts
         from this attempt, sent before the renewal: the lease may have run out
-        and the lock gone to someone else (then it queues again). With
-        WAIT_REPLICAS, a hand-over the waiter has not ``confirmed`` with a write
-        of its own is renewed too: the releaser's connection wrote it.
+        and the lock gone to someone else (then it queues again). A hand-over not ``confirmed`` by a write of
+        the waiter's own is renewed too with WAIT_REPLICAS (the releaser's connection wrote it), and on
+        Sentinel: a demoted master that kept the channel gets the message by replication, uncounted.
         """
         waiter.token = 0
-        if (confirmed or not self.wait_replicas) and time.monotonic() - waiter.queued_at <= ttl / 3:
+        if (confirmed or not self.confirm_handovers) and time.monotonic() - waiter.queued_at <= ttl / 3:
             return Granted(token, waiter.queued_at)
         script, keys, args = calls.renewal
         answer = yield script, keys, [*args, token]
@@ -243,22 +246,19 @@ class RedisBackend(BaseLockBackend):
         """Free the acquisition ``token`` of ``key`` once the server answers (see ``strays``), if it is still held."""
         strays.release_later(lambda: self.client, keys_of_lock(key), token)
 
-    def _releases(self) -> Releases | ShardReleases:
+    def _releases(self) -> Releases:
         releases = self._process_releases  # kept: looked up at every acquire that may wait
         if releases is None or releases.forgotten:
             releases = self._process_releases = releases_for(self.server, self._new_releases)
         return releases
 
-    def _new_releases(self) -> Releases | ShardReleases:
-        return ShardReleases(self.client) if self.cluster else Releases(self.client)
+    def _new_releases(self) -> Releases:
+        return self.remote.releases(self.client) if self.remote else Releases(self.client)
 
     def new_loop_releases(self) -> Any:
-        """The running event loop's hand-overs (and client) of this server: see ``aiowait`` and ``aioshards``."""
-        if self.cluster:
-            from distlocks.backends.redis.aioshards import LoopShardReleases
-
-            client = cluster.async_client(self.alias, self.cluster, self.cluster_options)
-            return LoopShardReleases(client, self.client)
+        """The running event loop's hand-overs (and client) of this server: see ``aiowait``, ``aioshards``, ``aiosentinel``."""
+        if self.remote:
+            return self.remote.loop_releases(self.client)
         from distlocks.backends.redis.aiowait import LoopReleases, async_client
 
         return LoopReleases(async_client(self.client))
@@ -404,16 +404,16 @@ class RedisBackend(BaseLockBackend):
 
     @property
     def server(self) -> tuple[str, str]:
-        """The cache alias and address: what this process keeps one of per server (its hand-overs, its look at it)."""
-        return self.cache, self.address
+        """The cache alias (or lock alias: options may differ) and address: one set of hand-overs each per process."""
+        return self.cache or self.alias, self.address
 
     @property
     def address(self) -> str:
-        """The cache's LOCATION, with any password masked, or the cluster's seed nodes: it goes into messages and logs."""
+        """The cache's LOCATION, with any password masked, the cluster's seed nodes or the sentinels: for messages and logs."""
         from django.conf import settings
 
-        if self.cluster:
-            return cluster.address(self.cluster)
+        if self.remote:
+            return self.remote.address
         urls = caches.addresses(settings.CACHES.get(self.cache), self.cache)
         return ", ".join(without_password(url) for url in urls)
 
@@ -425,7 +425,7 @@ class RedisBackend(BaseLockBackend):
             return self._eviction_warnings_of(eviction_policy(client))
 
     def _eviction_warnings_of(self, policy: str | None) -> list[checks.CheckMessage]:
-        server = f"the Redis {self.address}" if self.cluster else f"the Redis of cache {self.cache!r}"
+        server = f"the Redis {self.address}" if self.remote else f"the Redis of cache {self.cache!r}"
         return eviction_warnings(self.alias, server, policy)
 
     def _inspect(self, client: Any) -> None:
@@ -445,6 +445,6 @@ class RedisBackend(BaseLockBackend):
             logger.warning("%s %s", warning.msg, warning.hint)
 
     def check(self) -> list[checks.CheckMessage]:
-        if self.cluster:  # its options were checked when it was made (E002), and its timeouts have defaults
-            return []
+        if self.remote:  # a cluster's or a Sentinel group's: its options were checked when it was made (E002)
+            return self.remote.check()
         return caches.check(self.alias, self.cache, TIMEOUTS)

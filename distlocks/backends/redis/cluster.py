@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import difflib
 import inspect
+from dataclasses import dataclass
 from typing import Any
 
+from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 
 from distlocks.backends.redis.perprocess import PerProcess
+from distlocks.backends.redis.server import without_password
 
 #: Passed to redis-py unless ``CLUSTER_OPTIONS`` says otherwise: a node that does not answer raises in bounded time.
 DEFAULT_OPTIONS = {"socket_connect_timeout": 2, "socket_timeout": 5}
@@ -24,8 +27,40 @@ DEFAULT_OPTIONS = {"socket_connect_timeout": 2, "socket_timeout": 5}
 Seeds = tuple[tuple[str, int], ...]
 
 
-def configured(alias: str, options: dict[str, Any]) -> tuple[Seeds, dict[str, Any]]:
-    """The seed nodes and redis-py options of a backend's ``options`` (none: it names a cache, not a cluster).
+@dataclass(frozen=True)
+class Cluster:
+    """A backend's Redis Cluster: its seed nodes and redis-py's options (``configured``'s), and what it is asked."""
+
+    alias: str
+    seeds: Seeds
+    options: dict[str, Any]
+
+    @property
+    def address(self) -> str:
+        return address(self.seeds)
+
+    def client(self) -> Any:
+        return client(self.alias, self.seeds, self.options)
+
+    def check(self) -> list[checks.CheckMessage]:
+        """Nothing to say: its options were checked when it was made (E002), and its timeouts have defaults."""
+        return []
+
+    def releases(self, client: Any) -> Any:
+        """The process's hand-overs from the cluster, on its sync ``client`` (``shards``)."""
+        from distlocks.backends.redis.shards import ShardReleases
+
+        return ShardReleases(client)
+
+    def loop_releases(self, client: Any) -> Any:
+        """The running event loop's client of the cluster and hand-overs (``aioshards``), beside the sync ``client``."""
+        from distlocks.backends.redis.aioshards import LoopShardReleases
+
+        return LoopShardReleases(async_client(self.alias, self.seeds, self.options), client)
+
+
+def configured(alias: str, options: dict[str, Any]) -> Cluster | None:
+    """The Redis Cluster of a backend's ``options`` (None: it names a cache or a Sentinel group).
 
     Raise ImproperlyConfigured, naming the option, if they are not what they must be.
     """
@@ -35,27 +70,33 @@ def configured(alias: str, options: dict[str, Any]) -> tuple[Seeds, dict[str, An
                 f"DISTLOCKS[{alias!r}]['OPTIONS'] sets CLUSTER_OPTIONS without CLUSTER: they are the options of "
                 "redis-py's RedisCluster, for the seed nodes listed in CLUSTER"
             )
-        return (), {}
+        return None
     if "CACHE" in options:
         raise ImproperlyConfigured(
             f"DISTLOCKS[{alias!r}]['OPTIONS'] sets both CACHE and CLUSTER: set CLUSTER alone for a Redis "
             "Cluster, CACHE alone for the Redis of a cache"
         )
-    return seeds_of(alias, options["CLUSTER"]), options_of(alias, options.get("CLUSTER_OPTIONS"))
+    return Cluster(alias, seeds_of(alias, options["CLUSTER"]), options_of(alias, options.get("CLUSTER_OPTIONS")))
 
 
-def seeds_of(alias: str, value: Any) -> Seeds:
-    """The seed nodes of ``OPTIONS["CLUSTER"]``, a list of "host:port"; ImproperlyConfigured naming the option if not."""
-    where = f"DISTLOCKS[{alias!r}]['OPTIONS']['CLUSTER']"
+def seeds_of(alias: str, value: Any, option: str = "CLUSTER", what: str = "seed nodes", port: int = 7000) -> Seeds:
+    """The servers of ``OPTIONS[option]``, a list of "host:port"; ImproperlyConfigured naming the option if not.
+
+    A value shown in the message has its password masked (a URL given by mistake).
+    """
+    where = f"DISTLOCKS[{alias!r}]['OPTIONS'][{option!r}]"
     if not isinstance(value, list | tuple) or not value:
-        raise ImproperlyConfigured(f'{where} must be a list of seed nodes, "host:port" each; it is {value!r}')
+        shown = without_password(value) if isinstance(value, str) else value
+        raise ImproperlyConfigured(f'{where} must be a list of {what}, "host:port" each; it is {shown!r}')
     seeds = []
     for node in value:
-        host, colon, port = node.rpartition(":") if isinstance(node, str) else ("", "", "")
+        host, colon, number = node.rpartition(":") if isinstance(node, str) else ("", "", "")
         host = host.removeprefix("[").removesuffix("]")  # an IPv6 address: [::1]:7000
-        if not (colon and host and port.isdigit() and 0 < int(port) < 65536):
-            raise ImproperlyConfigured(f'{where} has {node!r}, which is not "host:port" (e.g. "10.0.0.1:7000")')
-        seeds.append((host, int(port)))
+        well_formed = host and not any(c in host for c in "/@ ")  # not a URL
+        if not (colon and well_formed and number.isdigit() and 0 < int(number) < 65536):
+            shown = without_password(node) if isinstance(node, str) else node
+            raise ImproperlyConfigured(f'{where} has {shown!r}, which is not "host:port" (e.g. "10.0.0.1:{port}")')
+        seeds.append((host, int(number)))
     return tuple(seeds)
 
 

@@ -96,6 +96,17 @@ class Silence:
         return max(0.01, min(timeout, due - time.monotonic()))
 
 
+def connected_to(pubsub: Any) -> tuple[str, int] | None:
+    """The server of ``pubsub``'s connection, if it has one now."""
+    connection = pubsub.connection
+    return None if connection is None or not connection.host else (str(connection.host), int(connection.port))
+
+
+def about_to_ping(silence: Silence) -> bool:
+    """Whether ``silence``'s channel is due for a ping (the one that ``Silence.to_ping`` will say)."""
+    return silence.pinged_at is None and time.monotonic() - silence.heard_at >= PING_AFTER
+
+
 class Releases:
     """One pub/sub connection per process and Redis, shared by every waiter.
 

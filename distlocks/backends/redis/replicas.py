@@ -130,7 +130,8 @@ def confirm(backend: QueuingBackend, answer: Any, calls: HoldCalls, token: int) 
         if not isinstance(exc, BackendUnavailable):
             raise
     raise BackendUnavailable(
-        f"Redis of cache {backend.cache!r} ({backend.address}) for locks on {backend.alias!r}: {answer.replicas} of "
+        f"{f'Redis of cache {backend.cache!r} ({backend.address})' if backend.cache else f'Redis {backend.address}'} "
+        f"for locks on {backend.alias!r}: {answer.replicas} of "
         f"the {backend.wait_replicas} replicas asked for (WAIT_REPLICAS) acknowledged the acquisition of "
         f"{calls.key!r} within {backend.wait_timeout:g}s (WAIT_TIMEOUT): it was given back",
         alias=backend.alias,
