@@ -184,9 +184,11 @@ def test_leaving_with_block_after_loss_raises_lock_lost(lock_factory):
 
 
 def test_watchdog_keeps_the_lock_past_its_ttl(lock_factory):
-    lk = lock_factory(ttl=0.6)
+    # Renewed every half second, each renewal with a second to spare: a 0.6 s lease (0.4 s to spare) was lost
+    # to a renewal late on a machine at load 10, as it should be.
+    lk = lock_factory(ttl=1.5)
     with lk:
-        time.sleep(2)
+        time.sleep(2)  # past the lease the acquire took
         assert in_thread(lambda: lock_factory().acquire(wait=0)) is False
         assert not lk.lost
     assert in_thread(lambda: lock_factory().acquire(wait=0)) is True
