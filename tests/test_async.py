@@ -225,10 +225,10 @@ def test_tasks_in_several_processes_count_without_losing_an_update(alias, name, 
 @pytest.mark.parametrize("alias", LEASE_ALIASES, indirect=True)
 def test_a_loop_blocked_past_the_lease_keeps_its_lock_renewed(alias, name):
     async def main():
-        lk = distlocks.alock(name, using=alias, ttl=1)
+        lk = distlocks.alock(name, using=alias, ttl=2)  # renewals with 1.3 s to spare (0.7 s were late at load 10)
         assert await lk.acquire(wait=0)
         token = lk.token
-        time.sleep(2.5)  # the loop is blocked: the watchdog's threads renew
+        time.sleep(2.5)  # the loop is blocked past the lease: the watchdog's threads renew
         assert not lk.lost
         holder = await holder_of(lk)
         assert holder is not None

@@ -199,7 +199,8 @@ def test_nodes_black_holed_at_the_first_connection_cost_at_most_the_connect_boun
     started = time.monotonic()
     with pytest.raises(distlocks.BackendUnavailable, match="only 2 of 5 Redis nodes answer, 3 are needed"):
         distlocks.lock(name, using="rl", ttl=ttl).acquire(wait=0)
-    assert CONNECT_SECONDS <= time.monotonic() - started < CONNECT_SECONDS + 1.0  # not the 10 s socket timeout
+    # Not the 10 s socket timeout (a loaded machine took 1.5 s more than the connect bound).
+    assert CONNECT_SECONDS <= time.monotonic() - started < CONNECT_SECONDS + 4.0
     assert nodes.holding(lk.key) == set()  # nothing was taken
     nodes.thaw(0, 1, 2)  # their connections are made now
     with distlocks.lock(name, using="rl", ttl=ttl, wait=5):
