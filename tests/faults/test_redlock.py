@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import os
 import signal
 import statistics
@@ -417,23 +418,84 @@ def test_a_frozen_majority_fails_the_acquire_in_bounded_time_and_leaves_no_stray
     assert time.monotonic() - thawed < ttl / 4
 
 
+class _Stalls:
+    """A thread that ticks every 5 ms and notes the gaps between its ticks: when this process stood still.
+
+    On a loaded machine (two cores, a load of 8-10) a process may run none of
+    its threads for a few hundred ms: a thread that holds the GIL is not
+    scheduled, or collects garbage (a full collection of a test process takes
+    0.15 s of CPU), or the process gets no CPU. Its Redlock rounds then hear no
+    node in time, whatever the nodes do.
+    """
+
+    def __init__(self):
+        self.gaps = []  # (from, to) monotonic
+        self.last = time.monotonic()
+        self.ticked = threading.Condition()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._tick, daemon=True)
+        self.thread.start()
+
+    def _tick(self):
+        while not self.stop.wait(0.005):
+            now = time.monotonic()
+            with self.ticked:
+                if now - self.last > 0.05:
+                    self.gaps.append((self.last, now))
+                self.last = now
+                self.ticked.notify_all()
+
+    def longest(self, since, until):
+        """The longest stall that overlapped ``since``..``until`` (once the ticker has ticked after ``until``)."""
+        with self.ticked:
+            self.ticked.wait_for(lambda: self.last > until, timeout=5.0)
+            return max(
+                (min(end, until) - max(start, since) for start, end in self.gaps if end > since and start < until),
+                default=0.0,
+            )
+
+    def close(self):
+        self.stop.set()
+        self.thread.join()
+
+
 def _cycles(name, seconds, pace=0.0, during=None):
-    """Take and give back the lock ``name`` (ttl 1 s) again and again for ``seconds``; each cycle's duration.
+    """Take and give back the lock ``name`` (ttl 1 s) again and again for ``seconds``; each cycle's (start, duration).
 
     A cycle starts ``pace`` seconds after the last began, at the earliest;
-    ``during()`` runs after each (a probe). Every take must succeed.
+    ``during()`` runs after each (a probe). Every take must succeed, but one
+    during which this process stood still for half its round's deadline or more
+    (``_Stalls``): the healthy nodes' answers could not come in time, whatever
+    a black-holed node did. That cycle counts, with its time, and the next goes on.
     """
-    durations = []
-    deadline = time.monotonic() + seconds
-    while (started := time.monotonic()) < deadline:
-        lk = distlocks.lock(name, using="rl", ttl=1, renew=False)
-        assert lk.acquire(wait=0)
-        lk.release()
-        durations.append(time.monotonic() - started)
-        if during is not None:
-            during()
-        time.sleep(max(0.0, started + pace - time.monotonic()))
-    return durations
+    deadline = node_deadline(1)
+    cycles = []
+    stalls = _Stalls()
+    try:
+        finish = time.monotonic() + seconds
+        while (started := time.monotonic()) < finish:
+            lk = distlocks.lock(name, using="rl", ttl=1, renew=False)
+            try:
+                assert lk.acquire(wait=0)
+            except distlocks.BackendUnavailable:
+                stalled = stalls.longest(started, time.monotonic())
+                if stalled < deadline / 2:
+                    raise
+            else:
+                lk.release()
+            cycles.append((started, time.monotonic() - started))
+            if during is not None:
+                during()
+            time.sleep(max(0.0, started + pace - time.monotonic()))
+    finally:
+        stalls.close()
+    return cycles
+
+
+def _busiest(cycles, seconds):
+    """The most cycles begun within any ``seconds``."""
+    starts = [started for started, _ in cycles]
+    return max((bisect.bisect_left(starts, first + seconds) - i for i, first in enumerate(starts)), default=0)
 
 
 @pytest.mark.parametrize(
@@ -464,20 +526,22 @@ def test_a_black_holed_nodes_backlog_stays_bounded_and_it_is_back_in_the_rounds_
     backend = locks["rl"]
     deadline = node_deadline(1)  # the rounds' deadline at ttl 1
     try:
-        before = _cycles(name, 1.0, pace)
+        before = [took for _, took in _cycles(name, 1.0, pace)]
         sizes = []
         with proxy.frozen(most=30):
-            during = _cycles(name, 4.0, pace, lambda: sizes.append(redlock_workers.backlog(cache)[0]))
+            cycles = _cycles(name, 4.0, pace, lambda: sizes.append(redlock_workers.backlog(cache)[0]))
         thawed = time.monotonic()
         queued, dropped = redlock_workers.backlog(cache)
         # Bounded while the node did not answer: calls whose round's deadline passed dropped, releases
         # past their leases, or the oldest. So the releases of one lease's cycles and the takes of a
-        # deadline's (with a deadline's slack), up to twice that between two sweeps.
-        per_second = len(during) / 4.0
-        bound = most or 2 * per_second * (1 + 2 * deadline) + 2 * redlock_workers.SWEEP_FROM
-        assert max(sizes) <= bound, f"{max(sizes)} calls queued for the black-holed node ({len(during)} cycles)"
+        # deadline's (with a deadline's slack), up to twice that between two sweeps. Counted in the
+        # busiest such spans, not at the mean pace: on a loaded machine the cycles come in bursts.
+        kept = _busiest(cycles, 1.0) + _busiest(cycles, 2 * deadline)
+        bound = most or 2 * kept + 2 * redlock_workers.SWEEP_FROM
+        assert max(sizes) <= bound, f"{max(sizes)} calls queued for the black-holed node ({len(cycles)} cycles)"
         assert drops <= set(dropped) <= {"round over", "leases over", "no room"}
         # The other four kept the lock going at their own pace: no cycle waited for the black-holed node.
+        during = [took for _, took in cycles]
         assert statistics.median(during) < min(deadline, 3 * statistics.median(before) + 0.01)
         # Back soon after the thaw: what it kept drains, and a fresh round reaches it within its deadline.
         _until(lambda: redlock_workers.backlog(cache)[0] == 0, f"{queued} queued at the thaw", seconds=5.0)
