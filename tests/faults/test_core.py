@@ -21,6 +21,11 @@ from tests.faults.conftest import FreezableProxy, frozen
 pytestmark = [DB, pytest.mark.servers("redis", "zookeeper")]
 
 
+#: The lease of a lock a test needs kept renewed: renewals every half second, each with a second to spare. At a
+#: load of 8-10 on two cores, a renewal was late by more than the 0.4 s a 0.6 s lease leaves.
+RENEWED_TTL = 1.5
+
+
 def until(condition, seconds=10.0):
     deadline = time.monotonic() + seconds
     while not condition():
@@ -42,12 +47,12 @@ def test_locks_are_still_renewed_after_a_lock_lost_receiver_raised(alias, name, 
     try:
         first = lock_factory(f"{name}-first", ttl=0.6)
         first.acquire()
-        second = lock_factory(ttl=0.6)
+        second = lock_factory(ttl=RENEWED_TTL)
         second.acquire()
         assert locks[alias].force_release(first.key)
         until(lambda: "a broken lock_lost receiver" in caplog.text)
         assert first.lost
-        time.sleep(2)  # more than three leases of the second lock
+        time.sleep(RENEWED_TTL + 0.5)  # past a lease of the second lock
         assert not second.lost
         assert not taken_by_another_thread(distlocks.lock(name, using=alias))
         second.release()
@@ -104,7 +109,7 @@ def test_a_hung_server_stops_neither_other_renewals_nor_the_loss_of_its_own_lock
     try:
         on_hung = distlocks.lock(f"{name}-hung", using="own", ttl=0.9)
         on_hung.acquire()
-        elsewhere = lock_factory(ttl=0.9)
+        elsewhere = lock_factory(ttl=RENEWED_TTL)
         elsewhere.acquire()
         with frozen(server):
             frozen_at = time.monotonic()
@@ -112,7 +117,7 @@ def test_a_hung_server_stops_neither_other_renewals_nor_the_loss_of_its_own_lock
             # Lost when its lease ended, while its renewal is still stuck.
             assert lost[0][0] == "own"
             assert lost[0][1] - frozen_at < 0.9 + 2  # the renewal hangs for good; a loaded machine took 0.9 s more
-            time.sleep(2)  # more than two leases of the other lock
+            time.sleep(RENEWED_TTL + 0.5)  # past a lease of the other lock
             assert not elsewhere.lost
             assert not taken_by_another_thread(distlocks.lock(name, using=alias))
         elsewhere.release()
@@ -145,14 +150,14 @@ def _interrupt(thread):
 
 @pytest.mark.parametrize("alias", ["redis"], indirect=True)
 def test_renewals_go_on_when_the_watchdog_threads_are_interrupted(alias, name, lock_factory, caplog):
-    lk = lock_factory(ttl=0.6)
+    lk = lock_factory(ttl=RENEWED_TTL)
     lk.acquire()
     until(lambda: any(t.name == f"distlocks-renew-{alias}" for t in threading.enumerate()))
     with caplog.at_level(logging.ERROR, logger="distlocks"):
         for thread in threading.enumerate():
             if thread.name in ("distlocks-watchdog", f"distlocks-renew-{alias}"):
                 _interrupt(thread)
-        time.sleep(2)  # more than three leases
+        time.sleep(RENEWED_TTL + 0.5)  # past a lease
     assert not lk.lost
     assert not taken_by_another_thread(distlocks.lock(name, using=alias))
     lk.release()
@@ -276,8 +281,8 @@ def test_renewals_go_on_on_new_connections_when_a_renewal_is_stuck_on_a_black_ho
         until(lambda: lost == [f"{name}-first"], seconds=5)
         # Another thread, another connection, which flows: its lock must be
         # renewed, though the alias's renewer is stuck for good.
-        second = Holder(name, "own", ttl=0.9)
-        time.sleep(3)  # more than three leases
+        second = Holder(name, "own", ttl=RENEWED_TTL)
+        time.sleep(RENEWED_TTL + 0.5)  # past a lease
         assert lost == [f"{name}-first"]
         assert not taken_by_another_thread(distlocks.lock(name, using="own"))
         assert second.release() is None
