@@ -352,9 +352,8 @@ class SentinelServers:
                 state = client.sentinel_master(SENTINEL_SERVICE)
                 if state["flags"] != "master" or state["num-other-sentinels"] != len(self.sentinels) - 1:
                     return False
-                if (
-                    state["role-reported"] != "master"
-                ):  # a master demoted a moment ago: the sentinels would fail it over
+                # A master demoted a moment ago: the sentinels would fail it over.
+                if state["role-reported"] != "master":
                     return False
                 seen = client.sentinel_slaves(SENTINEL_SERVICE)
                 up = {int(replica["port"]) for replica in seen if replica["flags"] == "slave"}
