@@ -76,12 +76,32 @@ def own_redis(settings):
 
 @contextlib.contextmanager
 def frozen(server):
-    """SIGSTOP ``server`` while the block runs: it accepts connections (the kernel does) but answers nothing."""
+    """SIGSTOP ``server`` while the block runs: it accepts connections (the kernel does) but answers nothing.
+
+    The block starts once every thread of the server has stopped: ``kill`` returns before they do, and on a
+    loaded machine a thread of ZooKeeper's JVM still answered a request sent just after it.
+    """
     os.kill(server.process.pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 5
+    while not stopped(server.process.pid) and time.monotonic() < deadline:
+        time.sleep(0.005)
     try:
         yield
     finally:
         os.kill(server.process.pid, signal.SIGCONT)
+
+
+def stopped(pid):
+    """Whether every thread of process ``pid`` is stopped (state T in /proc)."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as stat:
+                state = stat.read().rpartition(")")[2].split()[0]
+        except FileNotFoundError:  # a thread that ended meanwhile
+            continue
+        if state not in ("T", "t"):
+            return False
+    return True
 
 
 class FreezableProxy:
