@@ -35,6 +35,14 @@ def cache_options(backend, options):
     return {REDIS_PY_NAMES[name]: value for name, value in options.items()} | pool_options
 
 
+def scripts_run(server):
+    """How many scripts the Redis ``server`` (a ``RedisServer``) has run, asked on a connection of its own."""
+    import redis
+
+    with redis.Redis(port=server.port, socket_timeout=5) as client:
+        return client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+
+
 @pytest.fixture
 def own_redis(settings):
     """Return ``start(port, *server_args, cache="redis", **options)``: a Redis of the test's own as lock

@@ -24,7 +24,7 @@ from distlocks.handler import locks
 from distlocks.owner import current_owner
 from localservers import REDIS_PORT
 from tests.conftest import DB, NATIVE_ALIASES
-from tests.faults.conftest import behind_proxy
+from tests.faults.conftest import behind_proxy, scripts_run
 from tests.faults.test_core import until
 from tests.faults.test_redis import proxied_alias
 from tests.test_lock import in_thread
@@ -158,11 +158,6 @@ def holds_token(side, token):
     return len(entry) > 2 and entry[2] == str(token).encode()
 
 
-def scripts_run():
-    """How many scripts the test's own server has run."""
-    return get_redis_connection("own").info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
-
-
 @pytest.mark.servers("redis")
 @pytest.mark.parametrize("mode", ["read", "write"])
 def test_a_side_release_that_reaches_redis_late_leaves_the_same_threads_next_hold(own_redis, settings, name, mode):
@@ -178,8 +173,8 @@ def test_a_side_release_that_reaches_redis_late_leaves_the_same_threads_next_hol
             with pytest.raises(distlocks.BackendUnavailable):
                 first.release()
             assert again.acquire(wait=10)
-            before = scripts_run()
-        until(lambda: scripts_run() > before)  # thawed: the old release has run
+            before = scripts_run(server)
+        until(lambda: scripts_run(server) > before)  # thawed: the old release has run
         assert holds_token(again, again.token)
         assert not taken_by_another_owner(mode, name, "own")
         again.release()
@@ -201,8 +196,8 @@ def test_a_side_renewal_that_reaches_redis_late_leaves_the_same_threads_next_lea
             with pytest.raises(distlocks.BackendUnavailable):
                 first._backend.extend_token(first.key, current_owner(), 1, first.token)
             assert again.acquire(wait=10)
-            before = scripts_run()
-        until(lambda: scripts_run() > before)  # thawed: the old renewal has run
+            before = scripts_run(server)
+        until(lambda: scripts_run(server) > before)  # thawed: the old renewal has run
         assert again.holder().lease_left() > 20
         assert not taken_by_another_owner(mode, name, "own")
         again.release()
@@ -228,9 +223,9 @@ def test_an_async_side_release_that_reaches_redis_late_leaves_the_same_tasks_nex
             with pytest.raises(distlocks.BackendUnavailable):
                 await first.release()
             assert await again.acquire(wait=10)
-            before = scripts_run()
+            before = scripts_run(server)
         deadline = time.monotonic() + 15
-        while scripts_run() == before:  # thawed: the old release runs
+        while scripts_run(server) == before:  # thawed: the old release runs
             assert time.monotonic() < deadline, "the old release never ran"
             await asyncio.sleep(0.02)
         assert holds_token(again.lock, again.token)

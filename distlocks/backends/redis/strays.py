@@ -16,6 +16,11 @@ read-write lock's sides are voided alike (``rwscripts.RW_VOID``): the hold of
 the side the attempt took, if it shows that attempt, and a writer's entry in
 the queue, which would keep new readers out. A lock's last release that
 raised (``release_later``) is made again alike, by the acquisition's token.
+
+Not voided: a call the driver sent again itself (a redis-py ``Retry``) raised
+nothing. Its runs answer alike (the acquire scripts know their attempt's id),
+but a first run that reaches the server only after the owner's release takes
+the lock again, held until its lease runs out.
 """
 
 from __future__ import annotations
