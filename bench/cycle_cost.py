@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/cycle_cost.py --against ../base [--backends locmem default redis]
                                         [--rounds 15] [--cycles 1000] [--instructions 2000]
-                                        [--url redis://127.0.0.1:6379/15]
+                                        [--url redis://127.0.0.1:6379/15] [--zk-port 12301]
 
 ``--against`` is another checkout of distlocks (``git worktree add ../base main``).
 Each backend runs in one process per checkout, kept for the whole run; the
@@ -16,12 +16,15 @@ read them to compare changes to the core (``locmem``, the in-process backend,
 is the core's cost alone: it has no server).
 
 The database backends run on the benchmarks' databases (bench/settings.py,
-created afresh, a name of their own per checkout), Redis on ``--url``.
+created afresh, a name of their own per checkout), Redis on ``--url``,
+ZooKeeper on a server the script starts on 127.0.0.1:``--zk-port``
+(``DISTLOCKS_BENCH_ZK_PORT`` plus 20 by default) and stops afterwards.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -35,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-BACKENDS = ["locmem", "default", "mariadb", "postgresql", "mariadb_native", "postgresql_native", "redis"]
+BACKENDS = ["locmem", "default", "mariadb", "postgresql", "mariadb_native", "postgresql_native", "redis", "zookeeper"]
 DATABASES = {"default": "default", "mariadb": "mariadb", "postgresql": "postgresql"}
 DATABASES.update({"mariadb_native": "mariadb", "postgresql_native": "postgresql"})
 WARM_CYCLES = 50
@@ -49,6 +52,8 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--cycles", type=int, default=1000, help="acquire+release cycles timed per round")
     parser.add_argument("--instructions", type=int, default=0, help="cycles counted under callgrind (0: none)")
     parser.add_argument("--url", default="redis://127.0.0.1:6379/15", help="the Redis to run on")
+    zk_port = int(os.environ.get("DISTLOCKS_BENCH_ZK_PORT", "12281")) + 20
+    parser.add_argument("--zk-port", type=int, default=zk_port, help="the port of the ZooKeeper it starts")
     parser.add_argument("--child", nargs=3, metavar=("TREE", "BACKEND", "ONCE"), help=argparse.SUPPRESS)
     return parser.parse_args()
 
@@ -56,7 +61,7 @@ def arguments() -> argparse.Namespace:
 # The child: one checkout's distlocks, one backend.
 
 
-def child(tree: str, using: str, once: int, url: str) -> None:
+def child(tree: str, using: str, once: int, url: str, zk_port: int) -> None:
     """Run ``once`` cycles and exit (under callgrind); with ``once`` < 0, time the cycles each line of stdin asks for."""
     sys.path.insert(0, tree)
     os.environ["DJANGO_SETTINGS_MODULE"] = "bench.settings"
@@ -72,6 +77,7 @@ def child(tree: str, using: str, once: int, url: str) -> None:
         **settings.DISTLOCKS,
         "locmem": {"BACKEND": "distlocks.backends.locmem.LocMemBackend"},
         "redis": {"BACKEND": "distlocks.backends.redis.RedisBackend", "OPTIONS": {"CACHE": "profile"}},
+        "zookeeper": {"BACKEND": "distlocks.backends.zookeeper.ZooKeeperBackend", "LOCATION": f"127.0.0.1:{zk_port}"},
     }
     if using in DATABASES and once < 0:  # the counted runs come after the timed one, which made the database
         from bench.db_locks import prepare
@@ -100,8 +106,20 @@ def child(tree: str, using: str, once: int, url: str) -> None:
 # The parent: both checkouts side by side.
 
 
-def command(tree: Path, using: str, once: int, url: str) -> list[str]:
-    return [sys.executable, str(Path(__file__).resolve()), "--child", str(tree), using, str(once), "--url", url]
+def command(tree: Path, using: str, once: int, args: argparse.Namespace) -> list[str]:
+    script = str(Path(__file__).resolve())
+    return [
+        sys.executable,
+        script,
+        "--child",
+        str(tree),
+        using,
+        str(once),
+        "--url",
+        args.url,
+        "--zk-port",
+        str(args.zk_port),
+    ]
 
 
 def environment(tree: Path) -> dict[str, str]:
@@ -115,7 +133,7 @@ def timed(trees: list[Path], using: str, args: argparse.Namespace) -> list[list[
     children = []
     for tree in trees:
         process = subprocess.Popen(
-            command(tree, using, -1, args.url),
+            command(tree, using, -1, args),
             env=environment(tree),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -152,7 +170,7 @@ def instructions(tree: Path, using: str, args: argparse.Namespace) -> float:
         for once in (0, args.instructions):
             completed = subprocess.run(
                 ["valgrind", "--tool=callgrind", f"--callgrind-out-file={directory}/out"]
-                + command(tree, using, once, args.url),
+                + command(tree, using, once, args),
                 env=environment(tree),
                 capture_output=True,
                 text=True,
@@ -169,8 +187,20 @@ def main() -> None:
     args = arguments()
     if args.child:
         tree, using, once = args.child
-        child(tree, using, int(once), args.url)
+        child(tree, using, int(once), args.url, args.zk_port)
         return
+    with contextlib.ExitStack() as stack:
+        if "zookeeper" in args.backends:
+            sys.path.insert(0, str(ROOT))
+            from localservers import ZooKeeperServer
+
+            server = ZooKeeperServer(args.zk_port, stack.enter_context(tempfile.TemporaryDirectory())).start()
+            stack.callback(server.stop)
+        compare(args)
+
+
+def compare(args: argparse.Namespace) -> None:
+    """Time (and count) each backend's cycle in each checkout, and print the table."""
     trees = [ROOT] if args.against is None else [ROOT, args.against.resolve()]
     names = ["this", "other"][: len(trees)]
     rows: list[dict[str, Any]] = []

@@ -84,6 +84,29 @@ def test_a_failed_try_leaves_no_node_behind(name):
         assert held.waiters == 0
 
 
+@pytest.mark.parametrize("include_data", [False, True])  # a lock's listing, and a read-write lock's side's
+def test_a_listing_that_does_not_show_our_new_node_is_asked_again(name, include_data):
+    """An acquire sends its listing right behind the create of its node (``FollowUp``). When kazoo sends the create
+    again after the listing (``makepath``: the lock's parent was missing, and someone made it meanwhile), the
+    listing does not show the node: it must be asked again, or the acquire queues a second node of its own."""
+    from distlocks.backends.zookeeper.session import FollowUp
+    from distlocks.owner import current_owner
+
+    backend = locks["zookeeper"]
+    parent = backend._parent(name)
+    client = backend._session().client
+    client.ensure_path(parent)
+    early = FollowUp("get_children", parent, include_data=include_data)
+    early.send(client)  # answered before the node exists, as in that race
+    node, _ = backend._create(name, current_owner())
+    try:
+        children = backend._children(early, node, parent, include_data=include_data)
+        names = children[0] if include_data else children
+        assert node.rsplit("/", 1)[1] in names
+    finally:
+        client.delete(node)
+
+
 def test_empty_lock_nodes_are_reaped_but_not_held_ones(name):
     backend = locks["zookeeper"]
     for i in range(3):

@@ -15,7 +15,7 @@ from distlocks.backends.base import AsyncTurn, BaseLockBackend, LockInfo
 from distlocks.backends.zookeeper.inspection import Inspection
 from distlocks.backends.zookeeper.nodes import escape, new_mark, node_data, queue, sequence
 from distlocks.backends.zookeeper.rw import ZooKeeperSide
-from distlocks.backends.zookeeper.session import Session, shared_session
+from distlocks.backends.zookeeper.session import FollowUp, Session, shared_session
 from distlocks.backends.zookeeper.turn import ZooKeeperTurn
 from distlocks.exceptions import BackendUnavailable
 from distlocks.owner import Owner
@@ -82,9 +82,21 @@ class ZooKeeperBackend(BaseLockBackend):
             return self.connect_timeout
         return min(self.connect_timeout, self._until - time.monotonic())
 
-    def _request(self, operation: str, *args: Any, limit: float | None = None, **kwargs: Any) -> Any:
-        """Run ``client.<operation>`` for at most ``limit`` seconds (default ``_time_left()``)."""
-        return self._session().request(operation, *args, limit=self._time_left() if limit is None else limit, **kwargs)
+    def _request(
+        self, operation: str, *args: Any, limit: float | None = None, then: FollowUp | None = None, **kwargs: Any
+    ) -> Any:
+        """Run ``client.<operation>`` for at most ``limit`` seconds (default ``_time_left()``), ``then`` behind it."""
+        limit = self._time_left() if limit is None else limit
+        return self._session().request(operation, *args, limit=limit, then=then, **kwargs)
+
+    def _children(self, listing: FollowUp | None, node: str, parent: str, **kwargs: Any) -> Any:
+        """The children of ``parent`` (the answer of ``get_children``): ``listing``'s if it was sent behind the
+        create of our ``node`` and shows it, else asked now."""
+        listed = None if listing is None else listing.answer(self._time_left())
+        names = listed[0] if kwargs.get("include_data") and listed is not None else listed
+        if names is None or node.rsplit("/", 1)[1] not in names:
+            return self._request("get_children", parent, **kwargs)
+        return listed
 
     # -- an acquire's time: its requests end within its wait and CONNECT_TIMEOUT --
 
@@ -110,10 +122,13 @@ class ZooKeeperBackend(BaseLockBackend):
     def try_acquire(self, key: str, owner: Owner, ttl: float) -> int | None:
         session = self._session()
         self._begin_attempt()
+        parent = self._parent(key)
+        listing = None
         if key not in self._queued:
-            self._queued[key] = self._create(key, owner)
+            listing = FollowUp("get_children", parent)
+            self._queued[key] = self._create(key, owner, then=listing)
         node, token = self._queued[key]
-        children = queue(self._request("get_children", self._parent(key)))
+        children = queue(self._children(listing, node, parent))
         if node.rsplit("/", 1)[1] not in children:
             # Gone with a lost session: queue again, at the back.
             node, token = self._queued[key] = self._create(key, owner)
@@ -125,8 +140,8 @@ class ZooKeeperBackend(BaseLockBackend):
             session.held[key, owner.secret] = [node, 1, ""]  # node, hold count, token shown in its data
         return token
 
-    def _create(self, key: str, owner: Owner, mark: str | None = None) -> tuple[str, int]:
-        """Create our node; if we cannot tell whether it was created, have it deleted.
+    def _create(self, key: str, owner: Owner, mark: str | None = None, then: FollowUp | None = None) -> tuple[str, int]:
+        """Create our node, ``then`` sent right behind it; if we cannot tell whether it was created, have it deleted.
 
         The node's name carries a random id (as kazoo's recipe does), so that a
         create whose answer was lost is neither doubled nor left behind.
@@ -143,6 +158,7 @@ class ZooKeeperBackend(BaseLockBackend):
                 sequence=True,
                 makepath=True,
                 include_data=True,
+                then=then,
             )
             return str(path), int(stat.czxid)
         except BaseException:  # unavailable, or interrupted (a signal handler raised) while it waited

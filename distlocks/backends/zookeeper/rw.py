@@ -9,7 +9,7 @@ from distlocks.backends.base import AsyncTurn
 from distlocks.backends.sides import ReadWriteSide
 from distlocks.backends.zookeeper.inspection import Inspection
 from distlocks.backends.zookeeper.nodes import new_rw_mark, node_data, rw_blockers, rw_queue
-from distlocks.backends.zookeeper.session import Session
+from distlocks.backends.zookeeper.session import FollowUp, Session
 from distlocks.backends.zookeeper.turn import ZooKeeperTurn
 from distlocks.owner import Owner
 
@@ -22,8 +22,11 @@ class _Backend(Protocol):
 
     def _session(self) -> Session: ...
     def _request(self, operation: str, *args: Any, limit: float | None = None, **kwargs: Any) -> Any: ...
+    def _children(self, listing: FollowUp | None, node: str, parent: str, **kwargs: Any) -> Any: ...
     def _parent(self, key: str) -> str: ...
-    def _create(self, key: str, owner: Owner, mark: str | None = None) -> tuple[str, int]: ...
+    def _create(
+        self, key: str, owner: Owner, mark: str | None = None, then: FollowUp | None = None
+    ) -> tuple[str, int]: ...
     def _begin_attempt(self) -> None: ...
     def _wait_for(self, remaining: float | None) -> None: ...
     def _wait_gone(self, node: str, remaining: float | None) -> None: ...
@@ -65,12 +68,14 @@ class ZooKeeperSide(ReadWriteSide):
         zk, lock, mode = self.backend, self.lock_key(key), self.mode
         session = zk._session()
         zk._begin_attempt()
+        listing = None
         if key not in zk._queued:
             with session.lock:
                 writing = mode == "read" and (f"{lock}#write", owner.secret) in session.held
-            zk._queued[key] = zk._create(lock, owner, new_rw_mark("downgrade" if writing else mode))
+            listing = FollowUp("get_children", zk._parent(lock), include_data=True)
+            zk._queued[key] = zk._create(lock, owner, new_rw_mark("downgrade" if writing else mode), then=listing)
         node, token = zk._queued[key]
-        children, parent = zk._request("get_children", zk._parent(lock), include_data=True)
+        children, parent = zk._children(listing, node, zk._parent(lock), include_data=True)
         mine = node.rsplit("/", 1)[1]
         if mine not in children:
             # Gone with a lost session: queue again, at the back.

@@ -170,8 +170,8 @@ class Session:
             f"ZooKeeper {self.location!r} for locks on {self.alias!r} is unavailable: {exc!r}", alias=self.alias
         )
 
-    def request(self, operation: str, *args: Any, limit: float, **kwargs: Any) -> Any:
-        """Run ``client.<operation>`` for at most ``limit`` seconds.
+    def request(self, operation: str, *args: Any, limit: float, then: FollowUp | None = None, **kwargs: Any) -> Any:
+        """Run ``client.<operation>`` for at most ``limit`` seconds; send ``then`` right behind it.
 
         kazoo queues requests while it reconnects; waiting on them unbounded
         could hang. A ``create`` that completes after we gave up is deleted
@@ -193,6 +193,8 @@ class Session:
         while True:
             sent = time.monotonic()
             pending = getattr(client, f"{operation}_async")(*args, **kwargs)
+            if then is not None:
+                then.send(client)
             try:
                 result = pending.get(timeout=max(0.0, deadline - time.monotonic()))
             except NoNodeError:
@@ -225,6 +227,32 @@ class Session:
         with contextlib.suppress(Exception):
             self.client.stop()
             self.client.close()
+
+
+class FollowUp:
+    """A request sent right behind another one, on the same connection, for no round trip of its own.
+
+    ZooKeeper answers a session's requests in the order they were sent, so it
+    sees what the first one did; unless kazoo sent that one again after it (a
+    ``create`` with ``makepath`` whose parent was missing), or either failed.
+    ``answer()`` is then None, and the caller asks plainly.
+    """
+
+    def __init__(self, operation: str, *args: Any, **kwargs: Any) -> None:
+        self.operation, self.args, self.kwargs = operation, args, kwargs
+        self.pending: Any = None
+
+    def send(self, client: Any) -> None:
+        self.pending = getattr(client, f"{self.operation}_async")(*self.args, **self.kwargs)
+
+    def answer(self, limit: float) -> Any:
+        """Its answer within ``limit`` seconds, or None (not sent, failed, or too late)."""
+        if self.pending is None or limit <= 0:
+            return None
+        try:
+            return self.pending.get(timeout=limit)
+        except Exception:
+            return None
 
 
 def _delete_late(client: Any, done: Any) -> None:
