@@ -14,6 +14,10 @@ Side by side in one run, on one Redis server:
   interleaved runs), and the lost updates of all runs.
 The floor is a bare ``SET NX PX`` plus an ``EVALSHA`` compare-and-delete: not
 reentrant, not fenced, not renewed. Its contended run polls every millisecond.
+"distlocks scripts" runs distlocks' acquire and release scripts alone, polling
+as the floor does: between it and the floor is what the scripts cost (the
+server's work and their arguments); between it and "distlocks", the Python
+around them.
 The "x5" rows run Redlock over five Redis servers that the script starts on
 loopback ports 16390-16394 and stops afterwards. With ``--cluster``, the
 "cluster" rows run redis-py's Lock and distlocks on a Redis Cluster that the
@@ -28,6 +32,7 @@ on ports 16620-16622, three sentinels on 16623-16625), through redis-py's
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import secrets
@@ -53,6 +58,7 @@ IMPLS = [
     "redis-py Lock",
     "python-redis-lock",
     "pottery Redlock",
+    "distlocks scripts",
     "distlocks",
     "pottery Redlock x5",
     "distlocks Redlock x5",
@@ -138,6 +144,20 @@ def cycle_of(impl: str, name: str) -> tuple[Callable[[], object], Callable[[], o
 
         plock = redis_lock.Lock(client, name, expire=30)
         return plock.acquire, plock.release
+    if impl == "distlocks scripts":
+        # distlocks' own acquire and release scripts alone, through redis-py, polling as the floor does: what the
+        # server and the scripts' arguments cost. The rest of distlocks' figure is the Python around them.
+        from distlocks.backends.redis.keys import acquire_keys
+        from distlocks.backends.redis.scripts import ACQUIRE, RELEASE
+
+        take, give_back = client.register_script(ACQUIRE), client.register_script(RELEASE)
+        keys, secret, attempts = acquire_keys(name), secrets.token_hex(16), itertools.count()
+
+        def scripts_acquire() -> None:
+            while take(keys=keys, args=[f"bench.{next(attempts)}", secret, 30000, "0 bench"]) < 0:
+                time.sleep(0.001)
+
+        return scripts_acquire, lambda: give_back(keys=keys[:3], args=[secret])
     if impl.startswith("pottery Redlock"):
         from pottery import Redlock
 
