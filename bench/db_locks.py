@@ -160,8 +160,10 @@ def worker(impl: str, alias: str, name: str, seconds: float, counter: str, proce
         try:
             while not acquire():
                 time.sleep(0.001)
-        except DatabaseError as exc:
-            errors.append(str(exc)[:80])  # e.g. an InnoDB deadlock (1213) surfaced to the caller
+        except (DatabaseError, distlocks.BackendUnavailable) as exc:
+            # Counted, not fatal: an InnoDB deadlock (1213) that django-db-mutex raises to its caller, or a server
+            # error that distlocks raises as BackendUnavailable (once, MariaDB's own temporary table gone).
+            errors.append(str(exc)[:80])
             return None
         waited = time.monotonic() - started
         bump(path)
@@ -169,7 +171,7 @@ def worker(impl: str, alias: str, name: str, seconds: float, counter: str, proce
             order.write(f"{os.getpid()}\n")
         try:
             release()
-        except DatabaseError as exc:
+        except (DatabaseError, distlocks.LockError) as exc:  # unavailable, or the lock lost with its session
             errors.append(str(exc)[:80])
         return waited
 
