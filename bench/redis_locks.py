@@ -32,7 +32,6 @@ on ports 16620-16622, three sentinels on 16623-16625), through redis-py's
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import secrets
@@ -149,12 +148,14 @@ def cycle_of(impl: str, name: str) -> tuple[Callable[[], object], Callable[[], o
         # server and the scripts' arguments cost. The rest of distlocks' figure is the Python around them.
         from distlocks.backends.redis.keys import acquire_keys
         from distlocks.backends.redis.scripts import ACQUIRE, RELEASE
+        from distlocks.backends.redis.strays import attempt_id
 
         take, give_back = client.register_script(ACQUIRE), client.register_script(RELEASE)
-        keys, secret, attempts = acquire_keys(name), secrets.token_hex(16), itertools.count()
+        keys, secret = acquire_keys(name), secrets.token_hex(16)
 
         def scripts_acquire() -> None:
-            while take(keys=keys, args=[f"bench.{next(attempts)}", secret, 30000, "0 bench"]) < 0:
+            # Each attempt's id unique across processes: the script answers a known id with the hold it took.
+            while take(keys=keys, args=[attempt_id(), secret, 30000, "0 bench"]) < 0:
                 time.sleep(0.001)
 
         return scripts_acquire, lambda: give_back(keys=keys[:3], args=[secret])
