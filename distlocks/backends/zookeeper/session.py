@@ -193,9 +193,9 @@ class Session:
         while True:
             sent = time.monotonic()
             pending = getattr(client, f"{operation}_async")(*args, **kwargs)
-            if then is not None:
-                then.send(client)
             try:
+                if then is not None:
+                    then.send(client)
                 result = pending.get(timeout=max(0.0, deadline - time.monotonic()))
             except NoNodeError:
                 self.heard(sent)
@@ -246,11 +246,12 @@ class FollowUp:
         self.pending = getattr(client, f"{self.operation}_async")(*self.args, **self.kwargs)
 
     def answer(self, limit: float) -> Any:
-        """Its answer within ``limit`` seconds, or None (not sent, failed, or too late)."""
-        if self.pending is None or limit <= 0:
+        """Its answer within ``limit`` seconds (one already here, even with none left), or None (not sent,
+        failed, or too late)."""
+        if self.pending is None:
             return None
         try:
-            return self.pending.get(timeout=limit)
+            return self.pending.get(timeout=max(0.0, limit))
         except Exception:
             return None
 
