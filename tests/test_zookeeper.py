@@ -213,3 +213,37 @@ def test_a_writer_let_in_after_a_downgrade_gets_a_larger_token_than_the_downgrad
         if where == "thread":
             thread.join(30)
     assert got[0] > downgrade
+
+
+def test_the_polling_handler_answers_as_kazoos_own_select():
+    """kazoo's connection thread reads and writes only what ``select`` says is ready, and learns of a dropped
+    connection from it: readable and writable sockets, a peer that hung up, a timeout, a closed socket."""
+    import socket
+
+    from kazoo.handlers.utils import selector_select
+
+    from distlocks.backends.zookeeper.polling import PollingHandler
+
+    handler = PollingHandler()
+    ours, theirs = socket.socketpair()
+    try:
+        for select in (handler.select, selector_select):
+            assert select([ours], [], [], 0.05) == ([], [], [])  # nothing to read yet
+            assert select([], [ours], [], 0.05) == ([], [ours], [])  # room to write
+        theirs.sendall(b"x")
+        for select in (handler.select, selector_select):
+            assert select([ours, theirs], [], [], 1) == ([ours], [], [])
+        ours.recv(1)
+        theirs.close()  # the peer hangs up: the read that follows finds the end
+        for select in (handler.select, selector_select):
+            assert select([ours], [], [], 1)[0] == [ours]
+        assert ours.recv(1) == b""
+        ours.close()
+        for select in (handler.select, selector_select):
+            with pytest.raises((ValueError, TypeError)):
+                select([ours], [], [], 0)
+        with pytest.raises(ValueError, match="non-negative"):
+            handler.select([], [], [], -1)
+    finally:
+        ours.close()
+        theirs.close()

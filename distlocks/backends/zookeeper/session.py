@@ -40,6 +40,8 @@ class Session:
         from kazoo.protocol.states import KazooState
         from kazoo.security import CREATOR_ALL_ACL, READ_ACL_UNSAFE
 
+        from distlocks.backends.zookeeper.polling import PollingHandler
+
         self.alias = alias
         self.location = location
         self.states = KazooState
@@ -50,6 +52,7 @@ class Session:
             connection_retry={"max_tries": -1, "max_delay": 1.0},
             command_retry={"max_tries": 0},
             logger=kazoo_logger,
+            handler=PollingHandler(),
         )
         # With credentials, nodes only their identity may change (others may read).
         self.acl = acl
