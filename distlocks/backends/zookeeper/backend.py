@@ -59,6 +59,8 @@ class ZooKeeperBackend(BaseLockBackend):
         self.acl: list[Any] | None = None if acl is None else list(acl)
         # This thread's pending waits: key -> our node path while we queue.
         self._queued: dict[str, tuple[str, int]] = {}  # key -> (our node, its czxid)
+        # What the last attempt that queued listed, for the wait after it: key -> the lock's children.
+        self._listed: dict[str, list[str]] = {}
         # This thread's acquire under way must be over by then (monotonic): its
         # wait and CONNECT_TIMEOUT, whatever its requests (None: no acquire).
         self._until: float | None = None
@@ -122,6 +124,7 @@ class ZooKeeperBackend(BaseLockBackend):
     def try_acquire(self, key: str, owner: Owner, ttl: float) -> int | None:
         session = self._session()
         self._begin_attempt()
+        self._listed.pop(key, None)
         parent = self._parent(key)
         listing = None
         if key not in self._queued:
@@ -134,6 +137,7 @@ class ZooKeeperBackend(BaseLockBackend):
             node, token = self._queued[key] = self._create(key, owner)
             children = queue(self._request("get_children", self._parent(key)))
         if not children or f"{self._parent(key)}/{children[0]}" != node:
+            self._listed[key] = children
             return None  # queued: wait() watches the node just below ours
         del self._queued[key]
         with session.lock:
@@ -185,9 +189,11 @@ class ZooKeeperBackend(BaseLockBackend):
         session, or nothing ahead).
         """
         queued = self._queued.get(key)
+        listed = self._listed.pop(key, None)
         if queued is None:
             return None
-        children = self._request("get_children", parent)
+        # The attempt just before listed them (nodes gone since are seen gone when watched): no request.
+        children = self._request("get_children", parent) if listed is None else listed
         mine = queued[0].rsplit("/", 1)[1]
         if mine not in children:
             return None  # gone with a lost session: the next attempt queues again
@@ -206,6 +212,7 @@ class ZooKeeperBackend(BaseLockBackend):
         gone.wait(1.0 if remaining is None else min(remaining, 1.0))
 
     def end_wait(self, key: str, acquired: bool) -> None:
+        self._listed.pop(key, None)
         queued = self._queued.pop(key, None)
         try:
             if queued is not None and not acquired:

@@ -18,6 +18,7 @@ class _Backend(Protocol):
     """What a side uses of its ``ZooKeeperBackend`` (the backend module imports this one)."""
 
     _queued: dict[str, tuple[str, int]]
+    _listed: dict[str, list[str]]
     _inspection: Inspection
 
     def _session(self) -> Session: ...
@@ -68,6 +69,7 @@ class ZooKeeperSide(ReadWriteSide):
         zk, lock, mode = self.backend, self.lock_key(key), self.mode
         session = zk._session()
         zk._begin_attempt()
+        zk._listed.pop(key, None)
         listing = None
         if key not in zk._queued:
             with session.lock:
@@ -84,6 +86,7 @@ class ZooKeeperSide(ReadWriteSide):
             children, parent = zk._request("get_children", zk._parent(lock), include_data=True)
         children = rw_queue(children)
         if rw_blockers(children, mine):
+            zk._listed[key] = children
             return None
         shown = ""
         if children != [mine] or int(parent.pzxid) != token:
