@@ -135,8 +135,8 @@ class ZooKeeperBackend(BaseLockBackend):
         if node.rsplit("/", 1)[1] not in children:
             # Gone with a lost session: queue again, at the back.
             node, token = self._queued[key] = self._create(key, owner)
-            children = queue(self._request("get_children", self._parent(key)))
-        if not children or f"{self._parent(key)}/{children[0]}" != node:
+            children = queue(self._request("get_children", parent))
+        if not children or f"{parent}/{children[0]}" != node:
             self._listed[key] = children
             return None  # queued: wait() watches the node just below ours
         del self._queued[key]
